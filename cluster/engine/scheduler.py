@@ -1,0 +1,212 @@
+"""Iteration-level continuous batching (plain values, no torch).
+
+Each step: running requests first (one decode token each, or the next chunk of a prompt),
+then waiting requests in arrival order while the token budget, `max_num_seqs` and free
+blocks allow. When a running request needs a block and none is free, the most recently
+admitted running request is preempted: its blocks are freed and it goes back to the front
+of the queue to recompute prompt + output so far.
+
+    engine.step():  plan = scheduler.schedule()     # which requests, how many tokens
+                    sampled = runner.execute(plan)  # tensors live only there
+                    scheduler.update(plan, sampled) # append tokens, finish, free blocks
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from cluster.config import SchedulerConfig
+from cluster.engine.block_manager import BlockManager
+from cluster.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Tokens token_ids[start:start+num_tokens] of `request` run this step."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the end of the known tokens, so its last position is sampled."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class StepPlan:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.blocks = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.remote: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV
+        self.held: dict[str, Request] = {}  # FINISHED_PREFILLED, blocks kept for hand-off
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- admission -----------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests or req.request_id in self.held:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def add_remote(self, req: Request) -> list[int] | None:
+        """Reserve blocks for a prompt whose KV comes from elsewhere; None if they don't fit now."""
+        if req.request_id in self.requests or req.request_id in self.held:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        if not self.blocks.allocate(req, req.num_prompt_tokens):
+            return None
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.requests[req.request_id] = req
+        self.remote[req.request_id] = req
+        return list(req.block_ids)
+
+    def finish_remote(self, request_id: str, ok: bool, recompute: bool = True) -> None:
+        """Remote KV landed (ok) → join the running batch; otherwise recompute locally or fail."""
+        req = self.remote.pop(request_id)
+        if ok:
+            req.num_computed_tokens = req.num_prompt_tokens
+            self.blocks.cache_full_blocks(req)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+        elif recompute:
+            self._reset_for_recompute(req)
+            self.waiting.appendleft(req)
+        else:
+            self.finish(req, RequestStatus.FINISHED_ERROR)
+
+    # -- one step ------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._reserve_or_preempt(req, n, plan):
+                break
+            plan.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+            budget -= n
+            i += 1
+        if not plan.preempted:
+            self._admit_waiting(plan, budget)
+        return plan
+
+    def _reserve_or_preempt(self, req: Request, n: int, plan: StepPlan) -> bool:
+        while not self.blocks.allocate(req, n):
+            victim = self.running.pop()
+            self._preempt(victim)
+            plan.preempted.append(victim.request_id)
+            if victim is req:
+                return False
+        return True
+
+    def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            cached = self.blocks.find_cached_prefix(req)
+            num_cached = len(cached) * self.blocks.block_size
+            n = req.num_tokens - num_cached
+            if n > budget:
+                if not self.config.enable_chunked_prefill and plan.chunks:
+                    break
+                n = budget if self.config.enable_chunked_prefill else n
+            if not self.blocks.allocate(req, n, cached):
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = num_cached
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            plan.chunks.append(ScheduledChunk(req, num_cached, n))
+            budget -= n
+
+    def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
+        """Apply a step's results; returns the requests that finished (token-level stops)."""
+        finished = []
+        for chunk in plan.chunks:
+            req = chunk.request
+            if req.is_finished:  # aborted while the step ran
+                continue
+            req.num_computed_tokens = chunk.start + chunk.num_tokens
+            self.blocks.cache_full_blocks(req)
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue
+            req.append_token(token)
+            status = req.check_token_stop()
+            if status is None and req.prefill_only:
+                status = RequestStatus.FINISHED_PREFILLED
+            if status is not None:
+                self.finish(req, status)
+                finished.append(req)
+        return finished
+
+    # -- endings -------------------------------------------------------------------
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Finish a request in any state; its blocks are freed unless held for hand-off."""
+        if req.is_finished:
+            return
+        prev = req.status
+        req.status = status
+        if prev == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif prev == RequestStatus.WAITING_FOR_REMOTE_KV:
+            self.remote.pop(req.request_id, None)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.requests.pop(req.request_id, None)
+        if status == RequestStatus.FINISHED_PREFILLED:
+            self.held[req.request_id] = req
+        else:
+            self.blocks.free(req)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.finish(req, RequestStatus.FINISHED_ABORTED)
+            return req
+        return self.release(request_id)
+
+    def release(self, request_id: str) -> Request | None:
+        """Free the blocks a prefill-only request held for its hand-off."""
+        req = self.held.pop(request_id, None)
+        if req is not None:
+            self.blocks.free(req)
+        return req
+
+    def _preempt(self, req: Request) -> None:
+        self._reset_for_recompute(req)
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _reset_for_recompute(self, req: Request) -> None:
+        self.blocks.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)

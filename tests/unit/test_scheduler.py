@@ -1,0 +1,116 @@
+from builders import make_request, make_scheduler, run_step
+
+from cluster.request import RequestStatus
+
+
+def test_decodes_and_new_prefills_share_a_step_within_the_token_budget():
+    sched = make_scheduler(max_num_batched_tokens=16)
+    a = make_request(prompt_len=6)
+    sched.add(a)
+    run_step(sched)
+    b, c = make_request(prompt_len=10), make_request(prompt_len=10)
+    sched.add(b)
+    sched.add(c)
+    plan, _ = run_step(sched)
+    assert [(ch.request, ch.num_tokens) for ch in plan.chunks] == [(a, 1), (b, 10), (c, 5)]
+    assert plan.num_tokens == 16
+    assert not plan.chunks[2].samples  # c's prompt is only partly computed
+    assert c.num_computed_tokens == 5 and c.num_output_tokens == 0
+
+
+def test_chunked_prefill_continues_until_the_prompt_is_done():
+    sched = make_scheduler(max_num_batched_tokens=4)
+    req = make_request(prompt_len=10, max_tokens=2)
+    sched.add(req)
+    sizes = []
+    while not req.is_finished:
+        plan, _ = run_step(sched)
+        sizes.append(plan.chunks[0].num_tokens)
+    assert sizes == [4, 4, 2, 1]
+    assert req.output_token_ids == [5, 5] and req.status == RequestStatus.FINISHED_LENGTH
+
+
+def test_max_num_seqs_limits_the_running_batch():
+    sched = make_scheduler(max_num_seqs=2)
+    reqs = [make_request(prompt_len=3) for _ in range(3)]
+    for r in reqs:
+        sched.add(r)
+    plan, _ = run_step(sched)
+    assert [c.request for c in plan.chunks] == reqs[:2]
+    assert reqs[2].status == RequestStatus.WAITING
+
+
+def test_preemption_recomputes_the_newest_request_when_blocks_run_out():
+    sched = make_scheduler(num_blocks=4, block_size=4)
+    old, new = make_request(prompt_len=8, max_tokens=6), make_request(prompt_len=7, max_tokens=6)
+    sched.add(old)
+    sched.add(new)
+    run_step(sched)  # both prefilled: 2 blocks each, cache full
+    plan, _ = run_step(sched)  # old needs a 3rd block → new is preempted
+    assert plan.preempted == [new.request_id]
+    assert new.status == RequestStatus.PREEMPTED and new.block_ids == []
+    assert new.num_computed_tokens == 0 and new.num_output_tokens == 1
+    while sched.has_work():
+        run_step(sched)
+    assert old.output_token_ids == [5] * 6 and new.output_token_ids == [5] * 6
+    assert sched.blocks.num_free_blocks == 4
+
+
+def test_eos_stop_token_and_min_tokens():
+    sched = make_scheduler()
+    eos = make_request(prompt_len=4, max_tokens=10)
+    stop = make_request(prompt_len=4, max_tokens=10, stop_token_ids=[7])
+    ignore = make_request(prompt_len=4, max_tokens=3, ignore_eos=True)
+    for r in (eos, stop, ignore):
+        sched.add(r)
+    run_step(sched, token=7)
+    assert stop.status == RequestStatus.FINISHED_STOPPED and stop.stop_reason == 7
+    assert eos.status == RequestStatus.RUNNING and ignore.status == RequestStatus.RUNNING
+    run_step(sched, token=0)  # 0 is EOS
+    assert eos.status == RequestStatus.FINISHED_STOPPED and eos.stop_reason is None
+    assert ignore.status == RequestStatus.RUNNING
+
+
+def test_abort_frees_blocks_in_every_state():
+    sched = make_scheduler(num_blocks=8, max_num_seqs=1)
+    running, waiting = make_request(prompt_len=5), make_request(prompt_len=5)
+    sched.add(running)
+    sched.add(waiting)
+    run_step(sched)
+    sched.abort(running.request_id)
+    sched.abort(waiting.request_id)
+    assert running.status == waiting.status == RequestStatus.FINISHED_ABORTED
+    assert sched.blocks.num_free_blocks == 8 and not sched.has_work()
+
+
+def test_prefill_only_holds_blocks_until_released():
+    sched = make_scheduler(num_blocks=8)
+    req = make_request(prompt_len=9)
+    req.prefill_only = True
+    sched.add(req)
+    _, finished = run_step(sched)
+    assert finished == [req] and req.status == RequestStatus.FINISHED_PREFILLED
+    assert sched.blocks.num_free_blocks == 5
+    sched.release(req.request_id)
+    assert sched.blocks.num_free_blocks == 8
+
+
+def test_remote_admission_then_decode_or_recompute():
+    """`bad` has the same prompt: its recompute reuses the blocks `ok` received."""
+    sched = make_scheduler(num_blocks=8)
+    prompt = list(range(1, 10))
+    ok, bad = make_request(prompt=prompt), make_request(prompt=prompt)
+    for r in (ok, bad):
+        r.append_token(5)
+        assert len(sched.add_remote(r)) == 3
+    sched.finish_remote(ok.request_id, ok=True)
+    sched.finish_remote(bad.request_id, ok=False, recompute=True)
+    plan, _ = run_step(sched)
+    assert [(c.request, c.start, c.num_tokens) for c in plan.chunks] == [(ok, 9, 1), (bad, 8, 2)]
+
+
+def test_remote_admission_refused_when_blocks_do_not_fit():
+    sched = make_scheduler(num_blocks=2)
+    req = make_request(prompt_len=9)
+    assert sched.add_remote(req) is None
+    assert sched.blocks.num_free_blocks == 2
