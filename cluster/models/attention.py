@@ -1,0 +1,78 @@
+"""Attention over the paged KV cache, with its metadata passed explicitly (no globals).
+
+A step's tokens are flattened into one batch, decode tokens first:
+
+    flat tokens | d0 d1 d2 | p0 p0 p0 p0 | p1 p1 |
+                  decodes    prefill chunk  prefill chunk
+                  (1 token,  (queries over the cached prefix + themselves, causal)
+                   paged kernel)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels import KernelOps
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    offset: int  # first flat token index
+    num_tokens: int
+    context_len: int  # tokens attended to by the chunk's last query (cached prefix + chunk)
+    block_table: torch.Tensor  # [num_blocks] int64: blocks covering context_len
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each flat token
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor  # [Bd, max_blocks] int32
+    decode_context_lens: torch.Tensor  # [Bd] int32
+    prefills: tuple[PrefillChunk, ...]
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    kv_layer: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+    meta: AttentionMetadata,
+    ops: KernelOps,
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    k_cache, v_cache = kv_layer[0], kv_layer[1]
+    ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    nd = meta.num_decode_tokens
+    if not meta.prefills:
+        return ops.paged_decode_attention(
+            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+    out = torch.empty_like(q)
+    if nd:
+        out[:nd] = ops.paged_decode_attention(
+            q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+    for p in meta.prefills:
+        rows = slice(p.offset, p.offset + p.num_tokens)
+        if p.context_len == p.num_tokens:  # nothing cached before this chunk: use it directly
+            keys, values = k[rows], v[rows]
+        else:
+            keys = k_cache[p.block_table].flatten(0, 1)[: p.context_len]  # [ctx, Hkv, D]
+            values = v_cache[p.block_table].flatten(0, 1)[: p.context_len]
+        out[rows] = _causal_attention(q[rows], keys, values, scale)
+    return out
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [n, Hq, D] are the last n of the ctx positions in k/v [ctx, Hkv, D]."""
+    n, ctx = q.shape[0], k.shape[0]
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, n|ctx, D]
+    if n == ctx:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        rows = torch.arange(ctx - n, ctx, device=q.device)[:, None]
+        mask = torch.arange(ctx, device=q.device)[None, :] <= rows  # [n, ctx]
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)

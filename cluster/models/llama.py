@@ -1,0 +1,83 @@
+"""Llama-family forward pass over the paged KV cache (Llama, SmolLM, Mistral, Qwen2).
+
+Weights are plain tensors with q/k/v and gate/up fused, so a layer is four matmuls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from cluster.models.architecture import Architecture
+from cluster.models.attention import AttentionMetadata, paged_attention
+from cluster.models.rope import RotaryEmbedding
+from kernels import KernelOps
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [H]
+    qkv: torch.Tensor  # [q + 2*kv, H]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor  # [H, q]
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor  # [H]
+    gate_up: torch.Tensor  # [2*I, H]
+    down: torch.Tensor  # [H, I]
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor  # [V, H]
+    layers: list[LayerWeights]
+    norm: torch.Tensor  # [H]
+    lm_head: torch.Tensor  # [V, H] (the embedding itself when tied)
+
+
+class LlamaModel:
+    def __init__(self, arch: Architecture, weights: ModelWeights, ops: KernelOps, max_positions: int) -> None:
+        self.arch = arch
+        self.w = weights
+        self.ops = ops
+        self.scale = arch.head_dim ** -0.5
+        self.rope = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope,
+                                    weights.embed.device, weights.embed.dtype)
+
+    @property
+    def device(self) -> torch.device:
+        return self.w.embed.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.w.embed.dtype
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [T]; kv_cache [L, 2, NB, BS, Hkv, D] → hidden [T, H] (pre-norm)."""
+        x = F.embedding(input_ids, self.w.embed)  # [T, H]
+        for layer, kv_layer in zip(self.w.layers, kv_cache):
+            x = x + self._attention(layer, F.rms_norm(x, x.shape[-1:], layer.input_norm, self.arch.rms_norm_eps),
+                                    positions, kv_layer, meta)
+            x = x + self._mlp(layer, F.rms_norm(x, x.shape[-1:], layer.post_norm, self.arch.rms_norm_eps))
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, H] of the positions to sample → float32 logits [S, V]."""
+        h = F.rms_norm(hidden, hidden.shape[-1:], self.w.norm, self.arch.rms_norm_eps)
+        return F.linear(h, self.w.lm_head).float()
+
+    def _attention(self, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor,
+                   kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        a = self.arch
+        qkv = F.linear(x, layer.qkv, layer.qkv_bias).view(-1, a.num_heads + 2 * a.num_kv_heads, a.head_dim)
+        qk = self.rope(qkv[:, : a.num_heads + a.num_kv_heads], positions)
+        q, k = qk[:, : a.num_heads], qk[:, a.num_heads:]
+        v = qkv[:, a.num_heads + a.num_kv_heads:]
+        out = paged_attention(q, k, v, kv_layer, meta, self.ops, self.scale)  # [T, Hq, D]
+        return F.linear(out.reshape(-1, a.q_size), layer.o, layer.o_bias)
+
+    def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, layer.down)

@@ -1,0 +1,87 @@
+"""Load a local HF Llama-family folder (config.json + *.safetensors) into Tandem's model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from cluster.models.architecture import Architecture
+from cluster.models.llama import LayerWeights, LlamaModel, ModelWeights
+from kernels import KernelOps
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def resolve_model_path(model: str | None, cache_dir: str | None = None) -> Path:
+    """None → the default model (converted on first use); otherwise a local HF folder."""
+    if model is None:
+        from cluster.models.default_model import ensure_default_model
+
+        return ensure_default_model(cache_dir)
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model {model!r} is not a local HF folder with config.json "
+            "(Tandem never downloads; pass a folder, or omit --model for the default)")
+    return path
+
+
+def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {folder}")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        with safe_open(str(folder / name), framework="pt") as f:
+            for key in f.keys():
+                tensors[key] = f.get_tensor(key)
+    return tensors
+
+
+def load_model(folder: str | Path, arch: Architecture, ops: KernelOps, dtype: torch.dtype,
+               device: torch.device, max_positions: int) -> LlamaModel:
+    raw = read_tensors(Path(folder))
+
+    def take(key: str, required: bool = True) -> torch.Tensor | None:
+        t = raw.pop(key, None)
+        if t is None:
+            if required:
+                raise KeyError(f"{folder}: weight {key!r} is missing")
+            return None
+        return t.to(device=device, dtype=dtype)
+
+    def fuse(*keys: str, required: bool = True) -> torch.Tensor | None:
+        parts = [take(k, required) for k in keys]
+        if any(p is None for p in parts):
+            return None
+        return torch.cat(parts, dim=0).contiguous()  # type: ignore[arg-type]
+
+    layers = []
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        attn = p + "self_attn."
+        layers.append(LayerWeights(
+            input_norm=take(p + "input_layernorm.weight"),
+            qkv=fuse(*(attn + f"{n}_proj.weight" for n in "qkv")),
+            qkv_bias=fuse(*(attn + f"{n}_proj.bias" for n in "qkv"), required=False),
+            o=take(attn + "o_proj.weight"),
+            o_bias=take(attn + "o_proj.bias", required=False),
+            post_norm=take(p + "post_attention_layernorm.weight"),
+            gate_up=fuse(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+            down=take(p + "mlp.down_proj.weight"),
+        ))
+    embed = take("model.embed_tokens.weight")
+    lm_head = take("lm_head.weight", required=not arch.tie_word_embeddings)
+    weights = ModelWeights(embed=embed, layers=layers, norm=take("model.norm.weight"),
+                           lm_head=embed if lm_head is None else lm_head)
+    leftover = [k for k in raw if not k.endswith(_IGNORED_SUFFIXES)]
+    if leftover:
+        raise ValueError(f"{folder}: weights Tandem does not know how to use: {leftover[:5]}")
+    return LlamaModel(arch, weights, ops, max_positions)

@@ -1,0 +1,54 @@
+"""What the engine hands back per step and per request (plain values)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+class Logprob(NamedTuple):
+    token_id: int
+    logprob: float
+
+
+class TokenLogprobs(NamedTuple):
+    """The sampled token's logprob and the top-k alternatives (highest first)."""
+
+    sampled: Logprob
+    top: list[Logprob]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None (running)
+    stop_reason: int | str | None = None  # the stop string or stop token id that matched
+    logprobs: list[TokenLogprobs] | None = None
+    delta_text: str = ""  # new since the previous output of this request
+    delta_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt: str | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """A prefill-only request's hand-off: its first token and the blocks holding its prompt KV.
+
+    The blocks stay owned by the prefill engine until `release(request_id)`.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    first_token: int
+    first_logprobs: TokenLogprobs | None
+    block_ids: list[int]
