@@ -1,0 +1,206 @@
+"""The step loop: schedule → run → apply, plus the two seams disaggregation needs.
+
+    (a) prefill side: add_request(..., prefill_only=True); step until it finishes;
+        take_prefilled(id) → first token + block ids; export_kv(id); release(id).
+    (b) decode side: admit_remote(...) → block ids to fill; import_kv(id, packed);
+        finish_remote(id, ok) → the request joins the running batch (or recomputes).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+import torch
+
+from cluster.config import EngineConfig
+from cluster.engine.block_manager import BlockManager
+from cluster.engine.detokenizer import IncrementalDetokenizer
+from cluster.engine.model_runner import ModelRunner
+from cluster.engine.scheduler import Scheduler
+from cluster.engine.tokenizer import Tokenizer
+from cluster.models.architecture import Architecture
+from cluster.models.loader import resolve_model_path
+from cluster.outputs import CompletionOutput, PrefillResult, RequestOutput, TokenLogprobs
+from cluster.request import Request, RequestStatus
+from cluster.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_path = resolve_model_path(config.model.model, config.model.cache_dir)
+        self.arch = Architecture.from_folder(self.model_path)
+        self.tokenizer = Tokenizer(self.model_path)
+        limit = config.model.max_model_len or self.arch.max_position_embeddings
+        if self.arch.sliding_window:  # no sliding-window attention: stay inside the window
+            limit = min(limit, self.arch.sliding_window)
+        self.runner = ModelRunner(str(self.model_path), self.arch, config.model, config.cache, limit, config.seed)
+        bs = config.cache.block_size
+        self.num_blocks = self.runner.num_blocks
+        self.max_model_len = min(limit, self.num_blocks * bs)
+        self.blocks = BlockManager(self.num_blocks, bs, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.blocks)
+        self.eos_token_ids = self.tokenizer.eos_token_ids
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._logprobs: dict[str, list[TokenLogprobs]] = {}
+        self._prompts: dict[str, str | None] = {}
+        self._ids = itertools.count()
+
+    # -- requests ------------------------------------------------------------------
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
+                    prefill_only: bool = False) -> Request:
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate_prompt(prompt_ids)
+        if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
+            raise OverflowError(f"engine queue is full ({self.config.scheduler.max_waiting} waiting)")
+        req = self._new_request(request_id, prompt_ids, params, prefill_only)
+        self.scheduler.add(req)
+        self._track(req, prompt if isinstance(prompt, str) else None)
+        return req
+
+    def abort_request(self, request_id: str) -> bool:
+        req = self.scheduler.abort(request_id)
+        self._forget(request_id)
+        return req is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the step --------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        result = self.runner.execute(plan, self.eos_token_ids)
+        self.scheduler.update(plan, result.sampled)
+        outputs = []
+        for chunk in plan.chunks:
+            req = chunk.request
+            token = result.sampled.get(req.request_id)
+            if token is None or req.status == RequestStatus.FINISHED_ABORTED:
+                continue
+            if req.request_id in result.logprobs:
+                self._logprobs[req.request_id].append(TokenLogprobs(*result.logprobs[req.request_id]))
+            outputs.append(self._emit(req, [token]))
+        return outputs
+
+    def _emit(self, req: Request, new_tokens: list[int]) -> RequestOutput:
+        detok = self._detok[req.request_id]
+        stop = detok.add_tokens(new_tokens)
+        if stop is not None and not req.is_finished:
+            req.stop_reason = stop
+            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+        elif stop is not None and req.status == RequestStatus.FINISHED_PREFILLED:
+            req.stop_reason = stop  # the first token already ends it: nothing to hand off
+            self.scheduler.release(req.request_id)
+            req.status = RequestStatus.FINISHED_STOPPED
+        out = CompletionOutput(
+            index=0,
+            text=detok.output_text,
+            token_ids=req.output_token_ids,
+            finish_reason=req.status.finish_reason,
+            stop_reason=req.stop_reason,
+            logprobs=self._logprobs[req.request_id] if req.params.logprobs is not None else None,
+            delta_text=detok.take_delta(finished=req.is_finished),
+            delta_token_ids=new_tokens,
+        )
+        result = RequestOutput(req.request_id, req.prompt_token_ids, [out], req.is_finished,
+                               self._prompts.get(req.request_id), req.num_cached_tokens)
+        if req.is_finished and req.status != RequestStatus.FINISHED_PREFILLED:
+            self._forget(req.request_id)
+        return result
+
+    # -- seam (a): prefill-only hand-off --------------------------------------------
+    def take_prefilled(self, request_id: str) -> PrefillResult:
+        """After a prefill-only request finished its step: the first token and the held blocks."""
+        req = self.scheduler.held.get(request_id)
+        if req is None:
+            raise KeyError(f"{request_id!r} holds no prefilled KV")
+        lps = self._logprobs.get(request_id) or [None]
+        self._forget(request_id)
+        return PrefillResult(request_id, req.prompt_token_ids, req.output_token_ids[0], lps[0],
+                             list(req.block_ids))
+
+    def export_kv(self, request_id: str) -> torch.Tensor:
+        req = self.scheduler.held[request_id]
+        return self.runner.export_kv(req.block_ids[: self.blocks.blocks_needed(req.num_prompt_tokens)])
+
+    def release(self, request_id: str) -> bool:
+        return self.scheduler.release(request_id) is not None
+
+    # -- seam (b): admit a request whose prompt KV comes from elsewhere --------------
+    def admit_remote(self, request_id: str, prompt_token_ids: Sequence[int], first_token: int,
+                     params: SamplingParams, first_logprobs: TokenLogprobs | None = None) -> list[int] | None:
+        """Reserve blocks for the prompt's KV; None when they don't fit now (try again later)."""
+        prompt_ids = list(prompt_token_ids)
+        self._validate_prompt(prompt_ids)
+        req = self._new_request(request_id, prompt_ids, params, False)
+        req.token_ids.append(first_token)
+        block_ids = self.scheduler.add_remote(req)
+        if block_ids is None:
+            return None
+        self._track(req, None)
+        if first_logprobs is not None:
+            self._logprobs[request_id].append(first_logprobs)
+        return block_ids
+
+    def import_kv(self, request_id: str, packed: torch.Tensor) -> None:
+        req = self.scheduler.remote[request_id]
+        self.runner.import_kv(req.block_ids, packed)
+
+    def finish_remote(self, request_id: str, ok: bool, recompute: bool = True) -> RequestOutput | None:
+        """KV landed (ok) or failed: join the batch, recompute locally, or fail (returned output)."""
+        req = self.scheduler.remote[request_id]
+        self.scheduler.finish_remote(request_id, ok, recompute)
+        if req.is_finished:  # ok, but the first token already ends it; or failure policy "fail"
+            return self._emit(req, [])
+        status = req.check_token_stop()
+        if status is not None:
+            self.scheduler.finish(req, status)
+        return self._emit(req, [req.token_ids[-1]]) if req.is_finished else None
+
+    # -- helpers -------------------------------------------------------------------
+    def _new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                     prefill_only: bool) -> Request:
+        return Request(request_id, prompt_ids, params, self.max_model_len, self.eos_token_ids, prefill_only)
+
+    def _track(self, req: Request, prompt: str | None) -> None:
+        self._detok[req.request_id] = IncrementalDetokenizer(
+            self.tokenizer.hf, req.prompt_token_ids,
+            skip_special_tokens=req.params.skip_special_tokens, stop=req.params.stop)
+        self._logprobs[req.request_id] = []
+        self._prompts[req.request_id] = prompt
+        if req.output_token_ids:
+            self._detok[req.request_id].add_tokens(req.output_token_ids)
+
+    def _forget(self, request_id: str) -> None:
+        self._detok.pop(request_id, None)
+        self._logprobs.pop(request_id, None)
+        self._prompts.pop(request_id, None)
+        self.runner.forget(request_id)
+
+    def _validate_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= self.arch.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.arch.vocab_size})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; max_model_len is "
+                             f"{self.max_model_len}, leaving no room to generate")
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "num_blocks": self.num_blocks,
+            "blocks_in_use": self.blocks.num_used_blocks,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_held": len(self.scheduler.held),
+            "num_remote": len(self.scheduler.remote),
+            "prefix_cache_queries": self.blocks.prefix_queries,
+            "prefix_cache_hits": self.blocks.prefix_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }

@@ -1,0 +1,138 @@
+"""The only place a step plan becomes tensors: inputs, attention metadata, forward, sampling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cluster.config import CacheConfig, ModelConfig
+from cluster.engine.kv_cache import allocate_kv_cache
+from cluster.engine.sampler import Logprob, sample
+from cluster.engine.scheduler import ScheduledChunk, StepPlan
+from cluster.models.architecture import Architecture
+from cluster.models.attention import AttentionMetadata, PrefillChunk
+from cluster.models.loader import load_model
+from kernels import ops_for
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+@dataclass
+class StepResult:
+    sampled: dict[str, int]
+    logprobs: dict[str, tuple[Logprob, list[Logprob]]]
+
+
+class ModelRunner:
+    def __init__(self, model_path: str, arch: Architecture, model_config: ModelConfig,
+                 cache_config: CacheConfig, max_model_len: int, seed: int = 0) -> None:
+        self.device = pick_device(model_config.device)
+        self.dtype = pick_dtype(model_config.dtype, self.device)
+        self.ops = ops_for(self.device)
+        self.arch = arch
+        self.block_size = cache_config.block_size
+        self.model = load_model(model_path, arch, self.ops, self.dtype, self.device, max_model_len)
+        self.kv_cache = allocate_kv_cache(arch, cache_config, self.dtype, self.device)
+        self.generators: dict[str, torch.Generator] = {}
+        self.default_generator = torch.Generator(device=self.device).manual_seed(seed)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache.shape[2]
+
+    # -- one step ------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan, eos_token_ids: frozenset[int]) -> StepResult:
+        chunks = sorted(plan.chunks, key=lambda c: c.num_tokens != 1)  # decodes first (stable)
+        input_ids, positions, meta, sample_rows = self._prepare(chunks)
+        hidden = self.model.forward(input_ids, positions, self.kv_cache, meta)
+        samplers = [c for c in chunks if c.samples]
+        if not samplers:
+            return StepResult({}, {})
+        logits = self.model.logits(hidden[sample_rows])
+        reqs = [c.request for c in samplers]
+        result = sample(
+            logits,
+            [r.params for r in reqs],
+            [self._generator(r.request_id, r.params.seed) for r in reqs],
+            [r.prompt_token_ids for r in reqs],
+            [r.output_token_ids for r in reqs],
+            eos_token_ids,
+        )
+        sampled = {r.request_id: t for r, t in zip(reqs, result.token_ids)}
+        logprobs = {r.request_id: lp for r, lp in zip(reqs, result.logprobs) if lp is not None}
+        return StepResult(sampled, logprobs)
+
+    def _prepare(self, chunks: list[ScheduledChunk]):
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        dec_tables: list[list[int]] = []
+        dec_lens: list[int] = []
+        prefills: list[PrefillChunk] = []
+        for c in chunks:
+            req, end = c.request, c.start + c.num_tokens
+            blocks = req.block_ids
+            offset = len(ids)
+            ids.extend(req.token_ids[c.start:end])
+            pos.extend(range(c.start, end))
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(c.start, end))
+            if c.num_tokens == 1:
+                dec_tables.append(blocks[: -(-end // bs)])
+                dec_lens.append(end)
+            else:
+                table = torch.tensor(blocks[: -(-end // bs)], dtype=torch.int64, device=self.device)
+                prefills.append(PrefillChunk(offset, c.num_tokens, end, table))
+            if c.samples:
+                sample_rows.append(len(ids) - 1)
+        width = max((len(t) for t in dec_tables), default=0)
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots, torch.int64),
+            num_decode_tokens=len(dec_lens),
+            decode_block_tables=self._tensor([t + [0] * (width - len(t)) for t in dec_tables], torch.int32),
+            decode_context_lens=self._tensor(dec_lens, torch.int32),
+            prefills=tuple(prefills),
+        )
+        return (self._tensor(ids, torch.int64), self._tensor(pos, torch.int64), meta,
+                self._tensor(sample_rows, torch.int64))
+
+    def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, device=self.device)
+
+    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return self.default_generator
+        g = self.generators.get(request_id)
+        if g is None:
+            g = self.generators[request_id] = torch.Generator(device=self.device).manual_seed(seed)
+        return g
+
+    def forget(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)
+
+    # -- KV hand-off ---------------------------------------------------------------
+    @torch.inference_mode()
+    def export_kv(self, block_ids: list[int]) -> torch.Tensor:
+        """Pack blocks into one contiguous [L, 2, n, BS, Hkv, D] buffer (on CPU for transport)."""
+        return self.ops.pack_kv(self.kv_cache, self._tensor(block_ids, torch.int64)).cpu()
+
+    @torch.inference_mode()
+    def import_kv(self, block_ids: list[int], packed: torch.Tensor) -> None:
+        expected = (self.kv_cache.shape[0], 2, len(block_ids), *self.kv_cache.shape[3:])
+        if tuple(packed.shape) != expected or packed.dtype != self.kv_cache.dtype:
+            raise ValueError(f"KV payload {tuple(packed.shape)} {packed.dtype} does not fit "
+                             f"{expected} {self.kv_cache.dtype}")
+        self.ops.unpack_kv(packed.to(self.device), self.kv_cache, self._tensor(block_ids, torch.int64))

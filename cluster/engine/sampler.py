@@ -1,0 +1,202 @@
+"""Logits → next tokens: min_tokens, penalties, temperature, top-k/top-p/min-p, seeded sampling."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from typing import NamedTuple
+
+import torch
+
+from cluster.outputs import Logprob
+from cluster.sampling_params import SamplingParams
+
+__all__ = ["Logprob", "SampleResult", "sample"]
+
+_NEG_INF = float("-inf")
+_TOP_P_CANDIDATES = (256, 4096)  # then a full sort
+
+
+class SampleResult(NamedTuple):
+    token_ids: list[int]  # one per row
+    # per row: (sampled token's, top-k alternatives highest first) when the row asked for logprobs
+    logprobs: list[tuple[Logprob, list[Logprob]] | None]
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
+           generators: Sequence[torch.Generator | None], prompt_ids: Sequence[Sequence[int]],
+           output_ids: Sequence[Sequence[int]], eos_token_ids: Collection[int]) -> SampleResult:
+    """Pick one token per row of `logits` [B, V] (float32; left unmodified).
+
+    Order, as in vLLM v1: logprobs from the raw logits; min_tokens masks EOS and stop_token_ids;
+    repetition (prompt + output), frequency and presence (output) penalties; then greedy argmax
+    (temperature 0) or temperature → top-k → top-p → min-p → sampling. A row's random draw
+    comes from its own generator (None: torch's default), so a seeded row's token depends only
+    on its logits and its generator state, never on the other rows.
+    """
+    num_rows, vocab = logits.shape
+    logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    blocked = _min_tokens_blocks(params, output_ids, eos_token_ids, vocab)
+    penalty_rows = [i for i, p in enumerate(params) if p.needs_penalties]
+    if not (logprob_rows or blocked[0] or penalty_rows) and all(p.greedy for p in params):
+        return SampleResult(logits.argmax(dim=-1).tolist(), [None] * num_rows)
+
+    raw_logprobs = torch.log_softmax(logits[_index(logprob_rows, logits)], dim=-1) if logprob_rows else None
+    logits = logits.clone()
+    if blocked[0]:
+        logits[_index(blocked[0], logits), _index(blocked[1], logits)] = _NEG_INF
+    if penalty_rows:
+        _apply_penalties(logits, penalty_rows, params, prompt_ids, output_ids)
+    tokens = _choose(logits, params, generators)
+    logprobs = _collect_logprobs(raw_logprobs, logprob_rows, tokens, params)
+    return SampleResult(tokens.tolist(), logprobs)
+
+
+def _index(values: list[int], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=like.device)
+
+
+def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)  # [R, 1]
+
+
+# -- min_tokens and penalties ---------------------------------------------------------------
+def _min_tokens_blocks(params: Sequence[SamplingParams], output_ids: Sequence[Sequence[int]],
+                       eos_token_ids: Collection[int], vocab: int) -> tuple[list[int], list[int]]:
+    """(rows, token ids) to mask while a row has fewer than min_tokens outputs."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, p in enumerate(params):
+        if len(output_ids[i]) < p.min_tokens:
+            banned = sorted(t for t in {*eos_token_ids, *p.stop_token_ids} if 0 <= t < vocab)
+            rows.extend([i] * len(banned))
+            cols.extend(banned)
+    return rows, cols
+
+
+def _token_counts(seqs: list[Sequence[int]], like: torch.Tensor) -> torch.Tensor:
+    """[R, V] float: how often each token id occurs in each row's sequence."""
+    num_rows, vocab = len(seqs), like.shape[1]
+    width = max((len(s) for s in seqs), default=0)
+    counts = torch.zeros(num_rows, vocab + 1, dtype=like.dtype, device=like.device)
+    if width:
+        ids = _index([t for s in seqs for t in (*s, *[vocab] * (width - len(s)))], like)
+        ids = ids.view(num_rows, width)  # padding lands in column V, dropped below
+        counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=like.dtype))
+    return counts[:, :vocab]
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[int], params: Sequence[SamplingParams],
+                     prompt_ids: Sequence[Sequence[int]], output_ids: Sequence[Sequence[int]]) -> None:
+    row_index = _index(rows, logits)
+    sub = logits[row_index]  # [R, V]
+    picked = [params[i] for i in rows]
+    counts = _token_counts([output_ids[i] for i in rows], sub)
+    if any(p.repetition_penalty != 1.0 for p in picked):
+        seen = (_token_counts([prompt_ids[i] for i in rows], sub) > 0) | (counts > 0)
+        rep = _column([p.repetition_penalty for p in picked], sub)
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    freq = _column([p.frequency_penalty for p in picked], sub)
+    presence = _column([p.presence_penalty for p in picked], sub)
+    sub = sub - freq * counts - presence * (counts > 0).to(sub.dtype)
+    logits[row_index] = sub
+
+
+# -- choosing tokens ------------------------------------------------------------------------
+def _choose(logits: torch.Tensor, params: Sequence[SamplingParams],
+            generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not random_rows:
+        return logits.argmax(dim=-1)
+    if len(random_rows) == len(params):
+        return _sample_random(logits, params, generators)
+    tokens = logits.argmax(dim=-1)
+    row_index = _index(random_rows, logits)
+    tokens[row_index] = _sample_random(logits[row_index], [params[i] for i in random_rows],
+                                       [generators[i] for i in random_rows])
+    return tokens
+
+
+def _sample_random(logits: torch.Tensor, params: Sequence[SamplingParams],
+                   generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """Temperature and filters in place on `logits` [R, V], then the exponential race."""
+    logits.div_(_column([p.temperature for p in params], logits))
+    if any(p.top_k > 0 for p in params):
+        _apply_top_k(logits, [p.top_k for p in params])
+    if any(p.top_p < 1.0 for p in params):
+        _apply_top_p(logits, _column([p.top_p for p in params], logits))
+    if any(p.min_p > 0.0 for p in params):
+        _apply_min_p(logits, _column([p.min_p for p in params], logits))
+    # the exponential race: argmax(probs / q) with q ~ Exp(1) samples from probs
+    return logits.sub_(_log_exponential(logits, generators)).argmax(dim=-1)
+
+
+def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> None:
+    vocab = logits.shape[1]
+    ks = [min(k, vocab) if k > 0 else 1 for k in top_k]
+    values = logits.topk(max(ks), dim=-1).values  # [R, max_k], highest first
+    kth = values.gather(1, _index([k - 1 for k in ks], logits).unsqueeze(1))  # [R, 1]
+    kth.masked_fill_(_index(top_k, logits).unsqueeze(1) <= 0, _NEG_INF)
+    logits.masked_fill_(logits < kth, _NEG_INF)
+
+
+def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> None:
+    """Keep the most likely tokens until their mass reaches top_p: a token stays when the mass
+    of the tokens above it is < top_p (so the top token always stays). Only the top few hundred
+    candidates are ranked unless some row's nucleus is wider (a full sort is slow on CPU)."""
+    probs = logits.softmax(dim=-1)
+    enabled = top_p < 1.0  # [R, 1]
+    for candidates in _TOP_P_CANDIDATES:
+        ranked, order = probs.topk(min(candidates, probs.shape[1]), dim=-1)  # highest first
+        if not (enabled & (ranked.sum(dim=-1, keepdim=True) < top_p)).any():
+            break
+    else:
+        ranked, order = probs.sort(dim=-1, descending=True)
+    keep_ranked = (ranked.cumsum(dim=-1) - ranked) < top_p
+    keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, order, keep_ranked)
+    logits.masked_fill_(~(keep | ~enabled), _NEG_INF)
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
+    """Keep tokens with prob >= min_p * max prob, i.e. logit >= max logit + log(min_p)."""
+    threshold = logits.amax(dim=-1, keepdim=True) + min_p.log()
+    logits.masked_fill_(logits < threshold, _NEG_INF)
+
+
+def _log_exponential(like: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """log(q) for q ~ Exp(1) shaped like `like`, as q = -log(u) with u ~ U[0, 1).
+
+    Each row draws from its own generator (rows sharing one draw together, in row order),
+    so a seeded row's noise does not depend on the other rows.
+    """
+    groups: dict[int, list[int]] = {}
+    for row, gen in enumerate(generators):
+        groups.setdefault(id(gen), []).append(row)
+    noise = torch.empty_like(like)
+    for rows in groups.values():
+        gen = generators[rows[0]]
+        if len(rows) == len(generators):
+            noise.uniform_(generator=gen)
+        elif len(rows) == 1:
+            noise[rows[0]].uniform_(generator=gen)
+        else:
+            draw = torch.empty((len(rows), like.shape[1]), dtype=like.dtype, device=like.device)
+            noise.index_copy_(0, _index(rows, like), draw.uniform_(generator=gen))
+    return noise.log_().neg_().log_()  # u == 0 gives +inf: that token just never wins
+
+
+# -- logprobs -------------------------------------------------------------------------------
+def _collect_logprobs(raw: torch.Tensor | None, rows: list[int], tokens: torch.Tensor,
+                      params: Sequence[SamplingParams]) -> list[tuple[Logprob, list[Logprob]] | None]:
+    out: list[tuple[Logprob, list[Logprob]] | None] = [None] * len(params)
+    if raw is None:
+        return out
+    sampled = tokens[_index(rows, raw)]
+    sampled_lp = raw.gather(1, sampled.unsqueeze(1)).squeeze(1).tolist()
+    max_k = max(params[i].logprobs or 0 for i in rows)
+    top_lp, top_ids = raw.topk(max_k, dim=-1) if max_k else (raw[:, :0], raw[:, :0].long())
+    top_lp_rows, top_id_rows = top_lp.tolist(), top_ids.tolist()
+    for j, (i, token) in enumerate(zip(rows, sampled.tolist())):
+        k = params[i].logprobs or 0
+        alternatives = [Logprob(t, lp) for t, lp in zip(top_id_rows[j][:k], top_lp_rows[j][:k])]
+        out[i] = (Logprob(token, sampled_lp[j]), alternatives)
+    return out

@@ -1,0 +1,45 @@
+"""The model folder's tokenizer and chat template, through transformers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+from transformers import AutoTokenizer
+
+
+class Tokenizer:
+    def __init__(self, model_path: str | Path) -> None:
+        self.hf = AutoTokenizer.from_pretrained(str(model_path))
+        self.eos_token_ids = frozenset(self._eos_ids(Path(model_path)))
+
+    def _eos_ids(self, folder: Path) -> set[int]:
+        ids: set[int] = set()
+        if self.hf.eos_token_id is not None:
+            ids.add(int(self.hf.eos_token_id))
+        gen = folder / "generation_config.json"
+        if gen.is_file():
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            ids.update([eos] if isinstance(eos, int) else (eos or []))
+        return ids
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text))
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def chat_prompt(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        if not self.hf.chat_template:
+            raise ValueError("this model has no chat template; use generate() with a plain prompt")
+        return self.hf.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                           tokenize=False)
+
+    def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        """The chat template already writes the special tokens, so none are added on top."""
+        return list(self.hf.encode(self.chat_prompt(messages), add_special_tokens=False))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
