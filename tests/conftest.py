@@ -8,3 +8,23 @@ import shutil
 # Without a GPU, run Triton kernels through the interpreter on CPU tensors.
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def default_model_path():
+    """The real default model, converted once into the user cache (as `make serve` does)."""
+    from cluster.models.default_model import ensure_default_model
+
+    return ensure_default_model(progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_paths(tmp_path_factory, default_model_path):
+    """kind → folder of a tiny random model: 'llama', 'qwen2', 'mistral'."""
+    from tiny_models import VARIANTS, build_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {kind: build_tiny_model(kind, root / kind, default_model_path) for kind in VARIANTS}

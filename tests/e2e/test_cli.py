@@ -1,0 +1,38 @@
+"""`tandem` as a user runs it: a subprocess, real model, output on the terminal."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def tandem(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_chat_streams_the_default_models_answer(default_model_path):
+    proc = tandem("chat", "What is the capital of France?", "--max-tokens", "32")
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+
+
+def test_chat_with_a_local_folder_and_a_missing_one(tiny_model_paths, tmp_path):
+    proc = tandem("chat", "Hi", "--model", str(tiny_model_paths["qwen2"]), "--max-tokens", "5")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip()
+    missing = tandem("chat", "Hi", "--model", str(tmp_path / "nope"))
+    assert missing.returncode == 2
+    assert "tandem: error" in missing.stderr and "nope" in missing.stderr
+
+
+def test_convert_model_reuses_the_cached_folder(default_model_path):
+    weights = default_model_path / "model.safetensors"
+    before = weights.stat().st_mtime_ns
+    proc = tandem("convert-model", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(default_model_path)
+    assert weights.stat().st_mtime_ns == before
