@@ -11,7 +11,7 @@ from cluster.engine.kv_cache import allocate_kv_cache
 from cluster.engine.sampler import Logprob, sample
 from cluster.engine.scheduler import ScheduledChunk, StepPlan
 from cluster.models.architecture import Architecture
-from cluster.models.attention import AttentionMetadata, PrefillChunk
+from cluster.models.attention import AttentionMetadata, PrefillChunk, cpu_decode_index
 from cluster.models.loader import load_model
 from kernels import ops_for
 
@@ -99,12 +99,15 @@ class ModelRunner:
             if c.samples:
                 sample_rows.append(len(ids) - 1)
         width = max((len(t) for t in dec_tables), default=0)
+        tables = self._tensor([t + [0] * (width - len(t)) for t in dec_tables], torch.int32)
+        lens = self._tensor(dec_lens, torch.int32)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.int64),
             num_decode_tokens=len(dec_lens),
-            decode_block_tables=self._tensor([t + [0] * (width - len(t)) for t in dec_tables], torch.int32),
-            decode_context_lens=self._tensor(dec_lens, torch.int32),
+            decode_block_tables=tables,
+            decode_context_lens=lens,
             prefills=tuple(prefills),
+            cpu_decode=cpu_decode_index(tables, lens, bs) if dec_lens and self.device.type == "cpu" else None,
         )
         return (self._tensor(ids, torch.int64), self._tensor(pos, torch.int64), meta,
                 self._tensor(sample_rows, torch.int64))

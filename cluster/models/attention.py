@@ -6,6 +6,11 @@ A step's tokens are flattened into one batch, decode tokens first:
                   decodes    prefill chunk  prefill chunk
                   (1 token,  (queries over the cached prefix + themselves, causal)
                    paged kernel)
+
+Decodes run the Triton paged kernel on CUDA. On CPU the runner instead precomputes, once per
+step, each decode sequence's cache slots and validity mask (`CpuDecodeIndex`); every layer
+then gathers its K/V rows with one index and calls SDPA, about 2x faster than walking block
+tables per layer.
 """
 
 from __future__ import annotations
@@ -27,12 +32,27 @@ class PrefillChunk:
 
 
 @dataclass(frozen=True)
+class CpuDecodeIndex:
+    slots: torch.Tensor  # [Bd, Lmax] int64: cache slot of every context position
+    valid: torch.Tensor  # [Bd, 1, 1, Lmax] bool: position < context_len
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each flat token
     num_decode_tokens: int
     decode_block_tables: torch.Tensor  # [Bd, max_blocks] int32
     decode_context_lens: torch.Tensor  # [Bd] int32
     prefills: tuple[PrefillChunk, ...]
+    cpu_decode: CpuDecodeIndex | None = None
+
+
+def cpu_decode_index(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> CpuDecodeIndex:
+    """block_tables [Bd, W] int32, context_lens [Bd] → slots and mask for the gathered path."""
+    lens = context_lens.long()
+    pos = torch.arange(int(lens.max()), device=lens.device)  # [Lmax]
+    blocks = block_tables.long()[:, pos // block_size]  # [Bd, Lmax]
+    return CpuDecodeIndex(blocks * block_size + pos % block_size, (pos < lens[:, None])[:, None, None, :])
 
 
 def paged_attention(
@@ -48,12 +68,10 @@ def paged_attention(
     ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     nd = meta.num_decode_tokens
     if not meta.prefills:
-        return ops.paged_decode_attention(
-            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+        return _decode(q, k_cache, v_cache, meta, ops, scale)
     out = torch.empty_like(q)
     if nd:
-        out[:nd] = ops.paged_decode_attention(
-            q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+        out[:nd] = _decode(q[:nd], k_cache, v_cache, meta, ops, scale)
     for p in meta.prefills:
         rows = slice(p.offset, p.offset + p.num_tokens)
         if p.context_len == p.num_tokens:  # nothing cached before this chunk: use it directly
@@ -63,6 +81,20 @@ def paged_attention(
             values = v_cache[p.block_table].flatten(0, 1)[: p.context_len]
         out[rows] = _causal_attention(q[rows], keys, values, scale)
     return out
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+            ops: KernelOps, scale: float) -> torch.Tensor:
+    index = meta.cpu_decode
+    if index is None:
+        return ops.paged_decode_attention(
+            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    keys = k_cache.view(-1, num_kv_heads, head_dim)[index.slots].transpose(1, 2)  # [Bd, Hkv, L, D]
+    values = v_cache.view(-1, num_kv_heads, head_dim)[index.slots].transpose(1, 2)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=index.valid,
+                                         scale=scale, enable_gqa=True)  # [Bd, Hq, 1, D]
+    return out.squeeze(2)
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -1,6 +1,8 @@
 """Llama-family forward pass over the paged KV cache (Llama, SmolLM, Mistral, Qwen2).
 
-Weights are plain tensors with q/k/v and gate/up fused, so a layer is four matmuls.
+Weights are plain tensors with q/k/v and gate/up fused, so a layer is four matmuls. Projections
+are stored [in, out] and applied as `x @ w`: on CPU that streams the weights ~1.4x faster
+than F.linear's [out, in] at decode batch sizes.
 """
 
 from __future__ import annotations
@@ -19,21 +21,21 @@ from kernels import KernelOps
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [H]
-    qkv: torch.Tensor  # [q + 2*kv, H]
+    qkv: torch.Tensor  # [H, q + 2*kv]
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor  # [H, q]
+    o: torch.Tensor  # [q, H]
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor  # [H]
-    gate_up: torch.Tensor  # [2*I, H]
-    down: torch.Tensor  # [H, I]
+    gate_up: torch.Tensor  # [H, 2*I]
+    down: torch.Tensor  # [I, H]
 
 
 @dataclass
 class ModelWeights:
-    embed: torch.Tensor  # [V, H]
+    embed: torch.Tensor  # [V, H] (a transposed view of lm_head when tied)
     layers: list[LayerWeights]
     norm: torch.Tensor  # [H]
-    lm_head: torch.Tensor  # [V, H] (the embedding itself when tied)
+    lm_head: torch.Tensor  # [H, V]
 
 
 class LlamaModel:
@@ -56,28 +58,34 @@ class LlamaModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T]; kv_cache [L, 2, NB, BS, Hkv, D] → hidden [T, H] (pre-norm)."""
-        x = F.embedding(input_ids, self.w.embed)  # [T, H]
+        x = self.w.embed.index_select(0, input_ids)  # [T, H]
+        rope = self.rope.lookup(positions)
         for layer, kv_layer in zip(self.w.layers, kv_cache):
             x = x + self._attention(layer, F.rms_norm(x, x.shape[-1:], layer.input_norm, self.arch.rms_norm_eps),
-                                    positions, kv_layer, meta)
+                                    rope, kv_layer, meta)
             x = x + self._mlp(layer, F.rms_norm(x, x.shape[-1:], layer.post_norm, self.arch.rms_norm_eps))
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, H] of the positions to sample → float32 logits [S, V]."""
         h = F.rms_norm(hidden, hidden.shape[-1:], self.w.norm, self.arch.rms_norm_eps)
-        return F.linear(h, self.w.lm_head).float()
+        return (h @ self.w.lm_head).float()
 
-    def _attention(self, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor,
+    def _attention(self, layer: LayerWeights, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                    kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         a = self.arch
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias).view(-1, a.num_heads + 2 * a.num_kv_heads, a.head_dim)
-        qk = self.rope(qkv[:, : a.num_heads + a.num_kv_heads], positions)
+        qkv = _project(x, layer.qkv, layer.qkv_bias).view(-1, a.num_heads + 2 * a.num_kv_heads, a.head_dim)
+        qk = self.rope.apply(qkv[:, : a.num_heads + a.num_kv_heads], *rope)
         q, k = qk[:, : a.num_heads], qk[:, a.num_heads:]
         v = qkv[:, a.num_heads + a.num_kv_heads:]
         out = paged_attention(q, k, v, kv_layer, meta, self.ops, self.scale)  # [T, Hq, D]
-        return F.linear(out.reshape(-1, a.q_size), layer.o, layer.o_bias)
+        return _project(out.reshape(-1, a.q_size), layer.o, layer.o_bias)
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, layer.down)
+        gate, up = (x @ layer.gate_up).chunk(2, dim=-1)
+        return (F.silu(gate) * up) @ layer.down
+
+
+def _project(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [T, in] @ w [in, out] (+ bias [out])."""
+    return x @ w if bias is None else torch.addmm(bias, x, w)

@@ -61,7 +61,11 @@ def load_model(folder: str | Path, arch: Architecture, ops: KernelOps, dtype: to
         parts = [take(k, required) for k in keys]
         if any(p is None for p in parts):
             return None
-        return torch.cat(parts, dim=0).contiguous()  # type: ignore[arg-type]
+        return torch.cat(parts, dim=0)  # type: ignore[arg-type]
+
+    def proj(*keys: str) -> torch.Tensor:
+        """HF stores [out, in]; we keep [in, out] contiguous (x @ w streams it ~1.4x faster on CPU)."""
+        return fuse(*keys).t().contiguous()  # type: ignore[union-attr]
 
     layers = []
     for i in range(arch.num_layers):
@@ -69,18 +73,22 @@ def load_model(folder: str | Path, arch: Architecture, ops: KernelOps, dtype: to
         attn = p + "self_attn."
         layers.append(LayerWeights(
             input_norm=take(p + "input_layernorm.weight"),
-            qkv=fuse(*(attn + f"{n}_proj.weight" for n in "qkv")),
+            qkv=proj(*(attn + f"{n}_proj.weight" for n in "qkv")),
             qkv_bias=fuse(*(attn + f"{n}_proj.bias" for n in "qkv"), required=False),
-            o=take(attn + "o_proj.weight"),
+            o=proj(attn + "o_proj.weight"),
             o_bias=take(attn + "o_proj.bias", required=False),
             post_norm=take(p + "post_attention_layernorm.weight"),
-            gate_up=fuse(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-            down=take(p + "mlp.down_proj.weight"),
+            gate_up=proj(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+            down=proj(p + "mlp.down_proj.weight"),
         ))
     embed = take("model.embed_tokens.weight")
-    lm_head = take("lm_head.weight", required=not arch.tie_word_embeddings)
-    weights = ModelWeights(embed=embed, layers=layers, norm=take("model.norm.weight"),
-                           lm_head=embed if lm_head is None else lm_head)
+    if arch.tie_word_embeddings:
+        raw.pop("lm_head.weight", None)  # some checkpoints also save the tied copy
+        lm_head = embed.t().contiguous()  # [H, V]; the embedding becomes its transposed view
+        embed = lm_head.t()
+    else:
+        lm_head = proj("lm_head.weight")
+    weights = ModelWeights(embed=embed, layers=layers, norm=take("model.norm.weight"), lm_head=lm_head)
     leftover = [k for k in raw if not k.endswith(_IGNORED_SUFFIXES)]
     if leftover:
         raise ValueError(f"{folder}: weights Tandem does not know how to use: {leftover[:5]}")

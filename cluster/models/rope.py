@@ -38,9 +38,12 @@ class RotaryEmbedding:
         self.cos = freqs.cos().to(device=device, dtype=dtype)  # [P, D/2]
         self.sin = freqs.sin().to(device=device, dtype=dtype)
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [T, H, D] → rotated copy; positions [T]."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, D/2] for positions [T]; done once per step, shared by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, H, D] → rotated copy."""
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,0 +1,69 @@
+"""The model's attention over the paged cache equals dense causal attention, on both decode paths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cluster.models.attention import AttentionMetadata, PrefillChunk, cpu_decode_index, paged_attention
+from kernels import REFERENCE_OPS
+
+BS, HKV, HQ, D, NB = 4, 2, 6, 8, 40
+
+
+def dense_causal(q, k, v, scale):
+    """q [n, Hq, D] are the last n rows of k/v [ctx, Hkv, D]."""
+    n, ctx = q.shape[0], k.shape[0]
+    k, v = k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1)
+    scores = torch.einsum("nhd,chd->hnc", q, k) * scale
+    allowed = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    return torch.einsum("hnc,chd->nhd", probs, v)
+
+
+@pytest.mark.parametrize("cpu_index", [False, True])
+def test_mixed_step_of_decodes_and_prefill_chunks_equals_dense_attention(cpu_index):
+    gen = torch.Generator().manual_seed(3)
+    # (cached tokens before this step, new tokens this step): two decodes, a fresh prompt,
+    # and a chunk continuing a prompt whose first 6 tokens are cached
+    seqs = [(9, 1), (2, 1), (0, 7), (6, 5)]
+    perm = torch.randperm(NB, generator=gen).tolist()
+    tables = [perm[i * 5:(i + 1) * 5] for i in range(len(seqs))]
+    kv = torch.zeros(2, NB, BS, HKV, D)
+    full_k = [torch.randn(c + n, HKV, D, generator=gen) for c, n in seqs]
+    full_v = [torch.randn(c + n, HKV, D, generator=gen) for c, n in seqs]
+    for (cached, _), table, k, v in zip(seqs, tables, full_k, full_v):  # earlier steps' KV
+        for p in range(cached):
+            kv[0, table[p // BS], p % BS], kv[1, table[p // BS], p % BS] = k[p], v[p]
+
+    q_parts, k_parts, v_parts, slots, prefills = [], [], [], [], []
+    offset = 0
+    for (cached, new), table, k, v in zip(seqs, tables, full_k, full_v):
+        q_parts.append(torch.randn(new, HQ, D, generator=gen))
+        k_parts.append(k[cached:])
+        v_parts.append(v[cached:])
+        slots += [table[p // BS] * BS + p % BS for p in range(cached, cached + new)]
+        if new > 1:
+            prefills.append(PrefillChunk(offset, new, cached + new,
+                                         torch.tensor(table[: -(-(cached + new) // BS)])))
+        offset += new
+    dec_tables = torch.tensor([tables[0], tables[1]], dtype=torch.int32)
+    dec_lens = torch.tensor([10, 3], dtype=torch.int32)
+    meta = AttentionMetadata(torch.tensor(slots), 2, dec_tables, dec_lens, tuple(prefills),
+                             cpu_decode_index(dec_tables, dec_lens, BS) if cpu_index else None)
+
+    out = paged_attention(torch.cat(q_parts), torch.cat(k_parts), torch.cat(v_parts), kv, meta,
+                          REFERENCE_OPS, 0.3)
+    expected = torch.cat([dense_causal(q, k, v, 0.3) for q, k, v in zip(q_parts, full_k, full_v)])
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    # and the step's new K/V landed in their slots
+    flat_k = kv[0].view(-1, HKV, D)
+    torch.testing.assert_close(flat_k[torch.tensor(slots)], torch.cat(k_parts))
+
+
+def test_cpu_decode_index_masks_positions_past_each_context():
+    index = cpu_decode_index(torch.tensor([[3, 1], [2, 0]], dtype=torch.int32),
+                             torch.tensor([6, 2], dtype=torch.int32), BS)
+    assert index.slots[0].tolist() == [12, 13, 14, 15, 4, 5]
+    assert index.slots[1, :2].tolist() == [8, 9]
+    assert index.valid[:, 0, 0].tolist() == [[True] * 6, [True, True] + [False] * 4]
