@@ -114,3 +114,47 @@ class EngineConfig:
             scheduler=SchedulerConfig(**parts["scheduler"]),
             seed=seed,
         )
+
+
+KV_CONNECTORS = ("shared_store", "tcp", "collective")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """How prefill hands KV to decode.
+
+    connector: "shared_store" (Ray object store), "tcp" (pyzmq) or "collective" (NCCL/gloo).
+    lease_s: prefill frees a request's blocks if decode has not acknowledged by then.
+    kv_load_failure_policy: "recompute" (decode prefills the prompt itself) or "fail".
+    host/port: where a TCP decode side listens (loopback and a free port by default);
+    advertise_host: the address senders dial, when it differs from host (e.g. 0.0.0.0).
+    """
+
+    connector: str = "shared_store"
+    timeout_s: float = 30.0
+    lease_s: float = 60.0
+    max_payload_bytes: int = 1 << 30
+    kv_load_failure_policy: str = "recompute"
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise_host: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.connector not in KV_CONNECTORS:
+            raise ValueError(f"connector must be one of {KV_CONNECTORS}, got {self.connector!r}")
+        if self.kv_load_failure_policy not in ("recompute", "fail"):
+            raise ValueError("kv_load_failure_policy must be 'recompute' or 'fail', "
+                             f"got {self.kv_load_failure_policy!r}")
+        if self.timeout_s <= 0 or self.lease_s <= 0:
+            raise ValueError("timeout_s and lease_s must be positive")
+        if self.max_payload_bytes < 1:
+            raise ValueError("max_payload_bytes must be positive")
+
+    def connector_options(self) -> dict[str, Any]:
+        """Keyword arguments for `create_connector(self.connector, layout, **options)`."""
+        common: dict[str, Any] = {"timeout_s": self.timeout_s, "max_payload_bytes": self.max_payload_bytes}
+        if self.connector == "tcp":
+            return {**common, "host": self.host, "port": self.port, "advertise_host": self.advertise_host}
+        if self.connector == "collective":
+            return {**common, "host": self.host}
+        return common

@@ -3,11 +3,12 @@
     (a) prefill side: add_request(..., prefill_only=True); step until it finishes;
         take_prefilled(id) → first token + block ids; export_kv(id); release(id).
     (b) decode side: admit_remote(...) → block ids to fill; import_kv(id, packed);
-        finish_remote(id, ok) → the request joins the running batch (or recomputes).
+        finish_remote(id, ok, first_token) → the request joins the running batch (or recomputes).
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from typing import Any, Sequence
 
@@ -19,6 +20,7 @@ from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.model_runner import ModelRunner
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.tokenizer import Tokenizer
+from cluster.kvtransfer.wire import KVLayout
 from cluster.models.architecture import Architecture
 from cluster.models.loader import resolve_model_path
 from cluster.outputs import CompletionOutput, PrefillResult, RequestOutput, TokenLogprobs
@@ -133,35 +135,49 @@ class LLMEngine:
         return self.scheduler.release(request_id) is not None
 
     # -- seam (b): admit a request whose prompt KV comes from elsewhere --------------
-    def admit_remote(self, request_id: str, prompt_token_ids: Sequence[int], first_token: int,
-                     params: SamplingParams, first_logprobs: TokenLogprobs | None = None) -> list[int] | None:
-        """Reserve blocks for the prompt's KV; None when they don't fit now (try again later)."""
+    def admit_remote(self, request_id: str, prompt_token_ids: Sequence[int],
+                     params: SamplingParams) -> list[int] | None:
+        """Reserve blocks for the prompt's KV before it is sent; None when they don't fit now."""
         prompt_ids = list(prompt_token_ids)
         self._validate_prompt(prompt_ids)
         req = self._new_request(request_id, prompt_ids, params, False)
-        req.token_ids.append(first_token)
         block_ids = self.scheduler.add_remote(req)
         if block_ids is None:
             return None
         self._track(req, None)
-        if first_logprobs is not None:
-            self._logprobs[request_id].append(first_logprobs)
         return block_ids
 
     def import_kv(self, request_id: str, packed: torch.Tensor) -> None:
         req = self.scheduler.remote[request_id]
         self.runner.import_kv(req.block_ids, packed)
 
-    def finish_remote(self, request_id: str, ok: bool, recompute: bool = True) -> RequestOutput | None:
-        """KV landed (ok) or failed: join the batch, recompute locally, or fail (returned output)."""
+    def finish_remote(self, request_id: str, ok: bool, first_token: int | None = None,
+                      first_logprobs: TokenLogprobs | None = None,
+                      recompute: bool = True) -> RequestOutput | None:
+        """KV landed (ok) or failed: join the batch, recompute locally, or fail.
+
+        `first_token` is the token the prefill side sampled; with it the request continues
+        from there (after recomputing the prompt's KV if `ok` is False). Without it (the
+        prefill itself failed) a recompute starts from the prompt. Returns the output that
+        carries the first token (or the failure), None when nothing is known yet.
+        """
         req = self.scheduler.remote[request_id]
+        if first_token is not None:
+            req.token_ids.append(first_token)
+            if first_logprobs is not None:
+                self._logprobs[request_id].append(first_logprobs)
+            status = req.check_token_stop()
+            if status is not None:  # the first token already ends R: its KV is not needed
+                self.scheduler.finish(req, status)
+                return self._emit(req, [first_token])
+        elif ok:
+            raise ValueError("a landed transfer needs the prefill side's first token")
         self.scheduler.finish_remote(request_id, ok, recompute)
-        if req.is_finished:  # ok, but the first token already ends it; or failure policy "fail"
+        if req.is_finished:  # failure policy "fail"
             return self._emit(req, [])
-        status = req.check_token_stop()
-        if status is not None:
-            self.scheduler.finish(req, status)
-        return self._emit(req, [req.token_ids[-1]]) if req.is_finished else None
+        if first_token is None:
+            return None
+        return self._emit(req, [first_token])
 
     # -- helpers -------------------------------------------------------------------
     def _new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -191,6 +207,11 @@ class LLMEngine:
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; max_model_len is "
                              f"{self.max_model_len}, leaving no room to generate")
+
+    def kv_layout(self) -> KVLayout:
+        """What a KV payload from this engine looks like, with a fingerprint of the model."""
+        digest = hashlib.blake2b((self.model_path / "config.json").read_bytes(), digest_size=4).hexdigest()
+        return KVLayout.of_cache(f"{self.model_path.name}@{digest}", self.runner.kv_cache)
 
     def stats(self) -> dict[str, Any]:
         return {

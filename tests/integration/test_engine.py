@@ -146,11 +146,12 @@ def test_prefill_only_then_remote_admission_decodes_the_same_tokens(tiny_model_p
     assert prefill.stats()["blocks_in_use"] == 0
 
     for rid, (result, packed) in handed.items():
-        block_ids = decode.admit_remote(rid, result.prompt_token_ids, result.first_token, params,
-                                        result.first_logprobs)
+        block_ids = decode.admit_remote(rid, result.prompt_token_ids, params)
         assert block_ids is not None and packed.shape[2] == len(block_ids)
         decode.import_kv(rid, packed)
-        assert decode.finish_remote(rid, ok=True) is None
+        first = decode.finish_remote(rid, ok=True, first_token=result.first_token,
+                                     first_logprobs=result.first_logprobs)
+        assert first.outputs[0].delta_token_ids == [result.first_token] and not first.finished
     finals = {}
     while decode.has_unfinished_requests():
         for out in decode.step():
@@ -172,8 +173,9 @@ def test_failed_kv_transfer_recomputes_locally_with_the_same_tokens(tiny_model_p
 
     decode = LLM(folder).engine
     # the first token came from the prefill side; the KV never arrived
-    assert decode.admit_remote("r", prompt, expected[0], params) is not None
-    assert decode.finish_remote("r", ok=False, recompute=True) is None
+    assert decode.admit_remote("r", prompt, params) is not None
+    first = decode.finish_remote("r", ok=False, first_token=expected[0], recompute=True)
+    assert first.outputs[0].token_ids == expected[:1]
     tokens = []
     while decode.has_unfinished_requests():
         for out in decode.step():
