@@ -1,0 +1,203 @@
+"""The KV-transfer contract every connector implements, its errors, and the registry.
+
+One request R moves from prefill actor P to decode actor D. Who calls what, in order:
+
+    decode side D                                       prefill side P
+    -------------                                       --------------
+    1. blocks = engine.admit_remote(R)       (D allocates destination blocks first)
+    2. conn.expect(R, num_blocks)            (a payload for R may now arrive)
+       ticket = conn.receiver_info()         → router → P
+                                                        3. engine prefills R only; P holds R's blocks
+                                                        4. payload = engine.export_kv(R)   (packed)
+                                                        5. receipt = conn.send(header, payload, ticket)
+                                                           P starts R's lease
+                        ← router ← receipt (connector data, e.g. an object ref) + first token
+    6. payload = conn.receive(R, receipt, timeout)      (verified, or a typed KVTransferError)
+    7a. ok:    engine.import_kv(R); engine.finish_remote(R, ok=True)
+    7b. error: engine.finish_remote(R, ok=False) → policy: recompute (default) or fail;
+               conn.cancel(R); D's blocks for R are freed or reused by the recompute
+    8. ack(R) → P                                       9. P releases R's blocks on ack, or when
+                                                           the lease expires; late acks are counted
+
+Ownership: P owns R's source blocks from prefill until ack or lease expiry (never longer).
+D owns the destination blocks from step 1; if the transfer fails they go back to D's free
+list (or stay with R when it recomputes locally). A connector never frees engine blocks; it
+owns only its transport buffers and must release them (sockets, object refs, groups) in
+`cancel` / `close`.
+
+Every wait has a timeout and ends in a `KVTransferError` subclass, never a hang. Payloads
+are verified against the header (layout, size, checksum) before a single byte reaches the
+decode cache. Nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from cluster.kvtransfer.errors import (KVFrameError, KVLayoutMismatchError, KVPeerGoneError,  # noqa: F401
+                                       KVTimeoutError, KVTransferError, KVIntegrityError)
+from cluster.kvtransfer.wire import KVHeader, KVLayout, make_header, parse_header, verify_payload
+
+DEFAULT_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class Expected:
+    request_id: str
+    num_blocks: int
+
+
+class KVConnector(ABC):
+    """Moves one request's packed KV `[L, 2, n, block_size, Hkv, D]` from prefill to decode.
+
+    Subclasses implement `_transmit` (prefill side) and `_fetch` (decode side) on raw bytes;
+    this class does the header, the layout handshake, bounds, checksums and counters.
+    """
+
+    name: ClassVar[str]
+    zero_copy: ClassVar[bool] = False  # receiver reads the sender's bytes without a copy
+    cross_node: ClassVar[bool] = True  # works between nodes
+    needs_ray: ClassVar[bool] = False
+
+    def __init__(self, layout: KVLayout, *, max_payload_bytes: int = 1 << 30,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.layout = layout
+        self.max_payload_bytes = max_payload_bytes
+        self.timeout_s = timeout_s
+        self.counters: Counter[str] = Counter()
+        self._expected: dict[str, Expected] = {}
+        self._lock = threading.Lock()
+
+    # -- decode side -----------------------------------------------------------------
+    def receiver_info(self) -> dict[str, Any]:
+        """What a sender needs to reach this receiver; always carries our layout."""
+        return {"connector": self.name, "layout": self.layout.to_dict(), **self._receiver_address()}
+
+    def expect(self, request_id: str, num_blocks: int) -> None:
+        """Announce that R's payload of `num_blocks` blocks may arrive (destination allocated)."""
+        with self._lock:
+            self._expected[request_id] = Expected(request_id, num_blocks)
+
+    def is_expected(self, request_id: str) -> Expected | None:
+        with self._lock:
+            return self._expected.get(request_id)
+
+    def receive(self, request_id: str, receipt: dict[str, Any], timeout_s: float | None = None) -> torch.Tensor:
+        """Block until R's payload is here and verified; returns it as a packed KV tensor."""
+        expected = self.is_expected(request_id)
+        if expected is None:
+            raise KVFrameError(f"no transfer of {request_id!r} is expected here")
+        try:
+            header_bytes, payload = self._fetch(expected, receipt, self.timeout_s if timeout_s is None else timeout_s)
+            header = self.check_header(header_bytes, expected)
+            tensor = verify_payload(header, payload, self.layout)
+        except KVTransferError as exc:
+            self.counters[f"receive_{exc.kind}"] += 1
+            raise
+        finally:
+            self.cancel(request_id)
+        self.counters["received"] += 1
+        self.counters["received_bytes"] += header.payload_bytes
+        return tensor
+
+    def check_header(self, header_bytes: bytes, expected: Expected) -> KVHeader:
+        """Parse and bound a header before anything is allocated for its payload."""
+        header = parse_header(header_bytes)
+        if header.layout != self.layout:
+            raise KVLayoutMismatchError(
+                f"KV layout mismatch: sender has {header.layout.describe()}, "
+                f"this receiver has {self.layout.describe()}")
+        if header.request_id != expected.request_id:
+            raise KVFrameError(f"payload for {header.request_id!r} arrived where "
+                               f"{expected.request_id!r} was expected")
+        if header.payload_bytes > self.max_payload_bytes:
+            raise KVFrameError(f"oversized payload: {header.payload_bytes} bytes > limit "
+                               f"{self.max_payload_bytes}")
+        want = self.layout.payload_bytes(expected.num_blocks)
+        if header.num_blocks != expected.num_blocks or header.payload_bytes != want:
+            raise KVFrameError(f"payload for {header.request_id!r} declares {header.num_blocks} blocks / "
+                               f"{header.payload_bytes} bytes; expected {expected.num_blocks} / {want}")
+        return header
+
+    def cancel(self, request_id: str) -> None:
+        """R is no longer expected: anything that arrives for it later is dropped and counted."""
+        with self._lock:
+            self._expected.pop(request_id, None)
+        self._forget(request_id)
+
+    # -- prefill side ----------------------------------------------------------------
+    def send(self, request_id: str, num_tokens: int, payload: torch.Tensor,
+             receiver: dict[str, Any]) -> dict[str, Any]:
+        """Ship R's packed KV to `receiver` (a `receiver_info()`); returns the receipt for D."""
+        theirs = KVLayout.from_dict(receiver.get("layout", {}))
+        if theirs != self.layout:
+            self.counters["send_layout_mismatch"] += 1
+            raise KVLayoutMismatchError(
+                f"KV layout mismatch at handshake: this prefill side has {self.layout.describe()}, "
+                f"decode side {receiver.get('connector')} has {theirs.describe()}")
+        if receiver.get("connector") != self.name:
+            raise KVTransferError(f"receiver uses connector {receiver.get('connector')!r}, "
+                                  f"this sender {self.name!r}")
+        header, view = make_header(request_id, num_tokens, payload, self.layout)
+        try:
+            receipt = self._transmit(header, view, receiver)
+        except KVTransferError as exc:
+            self.counters[f"send_{exc.kind}"] += 1
+            raise
+        self.counters["sent"] += 1
+        self.counters["sent_bytes"] += header.payload_bytes
+        return receipt
+
+    # -- transport -------------------------------------------------------------------
+    @abstractmethod
+    def _receiver_address(self) -> dict[str, Any]:
+        """Transport-specific part of `receiver_info` (address, actor, ...)."""
+
+    @abstractmethod
+    def _transmit(self, header: KVHeader, payload: memoryview, receiver: dict[str, Any]) -> dict[str, Any]:
+        """Move header + payload bytes toward the receiver; raise a KVTransferError on failure."""
+
+    @abstractmethod
+    def _fetch(self, expected: Expected, receipt: dict[str, Any], timeout_s: float) -> tuple[bytes, Any]:
+        """Return (header bytes, payload buffer) for `expected`; call `check_header` before
+        allocating anything sized by the peer. Raise KVTimeoutError when `timeout_s` passes."""
+
+    def _forget(self, request_id: str) -> None:
+        """Drop transport state kept for R (buffers that arrived, refs); default: none."""
+
+    def on_control(self, op: str, args: dict[str, Any]) -> Any:
+        """Peer-to-peer control calls (e.g. a collective group's rendezvous), delivered by the
+        hosting actor's `kv_control(op, args)` method, never by a socket of ours."""
+        raise KVTransferError(f"connector {self.name!r} has no control op {op!r}")
+
+    def stats(self) -> dict[str, int]:
+        return dict(self.counters)
+
+    def close(self) -> None:
+        """Release sockets, threads, groups. Idempotent."""
+
+
+_REGISTRY: dict[str, Callable[..., KVConnector]] = {}
+
+
+def register(name: str) -> Callable[[type[KVConnector]], type[KVConnector]]:
+    def wrap(cls: type[KVConnector]) -> type[KVConnector]:
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+    return wrap
+
+
+def create_connector(name: str, layout: KVLayout, **options: Any) -> KVConnector:
+    """Build a registered connector by name (`shared_store`, `tcp`, `collective`)."""
+    import cluster.kvtransfer.connectors  # noqa: F401  (registers the built-in ones)
+
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown KV connector {name!r}; available: {sorted(_REGISTRY)}")
+    return _REGISTRY[name](layout, **options)

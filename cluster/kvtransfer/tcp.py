@@ -1,0 +1,167 @@
+"""TCP connector: pyzmq DEALER (prefill) → ROUTER (decode), msgpack headers, raw payload frames.
+
+    prefill DEALER ── [b"TKV1", header (msgpack), payload (raw, zero-copy)] ──▶ decode ROUTER
+                   ◀── [reply (msgpack {"ok": bool, "kind": str, "error": str})] ──
+
+The decode side listens on `host:port` (loopback and a free port by default) and advertises
+the address in `receiver_info`. Its listener thread checks every header before keeping a
+payload; `receive` then verifies the checksum. Bounds: libzmq drops any frame over
+`max_payload_bytes` (ZMQ_MAXMSGSIZE) before allocating it and closes that connection; the
+sender sees a typed timeout. Senders use ZMQ_IMMEDIATE, so an unreachable peer is a
+KVPeerGoneError, not a queued message.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import msgpack
+import zmq
+
+from cluster.kvtransfer import errors
+from cluster.kvtransfer.base import Expected, KVConnector, register
+from cluster.kvtransfer.errors import KVFrameError, KVPeerGoneError, KVTimeoutError, KVTransferError
+from cluster.kvtransfer.mailbox import Mailbox
+from cluster.kvtransfer.wire import MAX_HEADER_BYTES, KVHeader, KVLayout, parse_header
+
+MAGIC = b"TKV1"
+_ERRORS = {cls.kind: cls for cls in (errors.KVTimeoutError, errors.KVLayoutMismatchError,
+                                      errors.KVIntegrityError, errors.KVFrameError,
+                                      errors.KVPeerGoneError)}
+
+
+@register("tcp")
+class TcpConnector(KVConnector):
+    zero_copy = False
+    cross_node = True
+
+    def __init__(self, layout: KVLayout, *, max_payload_bytes: int = 1 << 30, timeout_s: float = 30.0,
+                 host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
+                 listen: bool = True) -> None:
+        super().__init__(layout, max_payload_bytes=max_payload_bytes, timeout_s=timeout_s)
+        self._ctx = zmq.Context()
+        self._mailbox = Mailbox()
+        self._senders: dict[str, zmq.Socket] = {}
+        self._send_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._address: str | None = None
+        self._thread: threading.Thread | None = None
+        if listen:
+            self._listen(host, port, advertise_host or host)
+
+    # -- decode side -----------------------------------------------------------------
+    def _listen(self, host: str, port: int, advertise: str) -> None:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.MAXMSGSIZE, max(self.max_payload_bytes, MAX_HEADER_BYTES))
+        sock.setsockopt(zmq.LINGER, 0)
+        if port:
+            sock.bind(f"tcp://{host}:{port}")
+        else:
+            port = sock.bind_to_random_port(f"tcp://{host}")
+        self._address = f"tcp://{advertise}:{port}"
+        self._thread = threading.Thread(target=self._serve, args=(sock,), daemon=True,
+                                        name=f"tandem-kv-tcp-{port}")
+        self._thread.start()
+
+    def _serve(self, sock: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if not poller.poll(100):
+                    continue
+                frames = sock.recv_multipart(copy=False)
+                reply = self._accept(frames[1:])
+                sock.send_multipart([frames[0].bytes, msgpack.packb(reply)])
+                del frames  # the mailbox holds what it kept; nothing else outlives the message
+        finally:
+            sock.close(0)
+
+    def _accept(self, frames: list[zmq.Frame]) -> dict[str, Any]:
+        """Check one incoming message; keep its payload for `receive` or say why not."""
+        if len(frames) != 3 or frames[0].bytes != MAGIC:
+            self.counters["refused_bad_frame"] += 1
+            return {"ok": False, "kind": "frame", "error": "not a Tandem KV message"}
+        header_frame, payload = frames[1], frames[2]
+        try:
+            if len(header_frame) > MAX_HEADER_BYTES:
+                raise KVFrameError(f"oversized header: {len(header_frame)} bytes")
+            header = parse_header(header_frame.bytes)
+        except KVTransferError as exc:
+            self.counters[f"refused_{exc.kind}"] += 1
+            return {"ok": False, "kind": exc.kind, "error": str(exc)}
+        expected = self.is_expected(header.request_id)
+        if expected is None:
+            self.counters["dropped_unexpected"] += 1
+            return {"ok": False, "kind": "frame", "error": f"{header.request_id!r} is not expected here"}
+        try:
+            self.check_header(header_frame.bytes, expected)
+        except KVTransferError as exc:
+            self.counters[f"refused_{exc.kind}"] += 1
+            self._mailbox.fail(header.request_id, exc)
+            return {"ok": False, "kind": exc.kind, "error": str(exc)}
+        self._mailbox.deliver(header.request_id, header_frame.bytes, payload.buffer)
+        return {"ok": True}
+
+    def _receiver_address(self) -> dict[str, Any]:
+        if self._address is None:
+            raise KVTransferError("this TCP connector does not listen (listen=False)")
+        return {"address": self._address}
+
+    def _fetch(self, expected: Expected, receipt: dict[str, Any], timeout_s: float) -> tuple[bytes, Any]:
+        return self._mailbox.wait(expected.request_id, timeout_s)
+
+    def _forget(self, request_id: str) -> None:
+        self._mailbox.discard(request_id)
+
+    # -- prefill side ----------------------------------------------------------------
+    def _transmit(self, header: KVHeader, payload: memoryview, receiver: dict[str, Any]) -> dict[str, Any]:
+        return self.transmit_frames(receiver["address"], [MAGIC, header.encode(), payload])
+
+    def transmit_frames(self, address: str, frames: list[Any]) -> dict[str, Any]:
+        """Send raw frames and wait for the listener's verdict (also the fault-test hook)."""
+        with self._send_lock:
+            sock = self._sender(address)
+            try:
+                sock.send_multipart(frames, copy=False)
+            except zmq.Again:
+                self._drop_sender(address)
+                raise KVPeerGoneError(f"no connection to {address} within {self.timeout_s:.1f}s") from None
+            if not sock.poll(int(self.timeout_s * 1000)):
+                self._drop_sender(address)
+                raise KVTimeoutError(f"no reply from {address} within {self.timeout_s:.1f}s "
+                                     "(peer gone, or the frame exceeded its size limit)")
+            reply = msgpack.unpackb(sock.recv()[:MAX_HEADER_BYTES], raw=False, max_bin_len=0, max_ext_len=0)
+        if not isinstance(reply, dict) or not reply.get("ok"):
+            kind = reply.get("kind") if isinstance(reply, dict) else "frame"
+            raise _ERRORS.get(kind, KVTransferError)(f"{address} refused the KV: {reply}")
+        return {}
+
+    def _sender(self, address: str) -> zmq.Socket:
+        sock = self._senders.get(address)
+        if sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing toward a peer that isn't connected
+            sock.setsockopt(zmq.SNDTIMEO, int(self.timeout_s * 1000))
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+            self._senders[address] = sock
+        return sock
+
+    def _drop_sender(self, address: str) -> None:
+        """After a failure the socket may hold a stale reply: start fresh next time."""
+        sock = self._senders.pop(address, None)
+        if sock is not None:
+            sock.close(0)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+            self._thread = None
+        with self._send_lock:
+            for address in list(self._senders):
+                self._drop_sender(address)
+        if not self._ctx.closed:
+            self._ctx.term()
