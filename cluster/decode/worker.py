@@ -1,0 +1,92 @@
+"""The decode side of a hand-off, as a plain object (the Ray deployment is a thin shell).
+
+    reserve(R, prompt, params)  → engine allocates R's destination blocks, connector expects R
+                                → receiver info for the prefill side (None: no room now)
+    start(R, handoff)           → receive + verify KV → import → R joins the running batch;
+                                  on a transfer error: policy "recompute" (prefill locally,
+                                  keep the first token) or "fail" (R ends, the error is raised)
+    abandon(R)                  → the prefill side failed: recompute R from its prompt, or drop it
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Sequence
+
+import torch
+
+from cluster.engine.engine import LLMEngine
+from cluster.kvtransfer.base import KVConnector
+from cluster.kvtransfer.errors import KVTransferError
+from cluster.outputs import RequestOutput
+from cluster.prefill.worker import PrefillHandoff
+from cluster.sampling_params import SamplingParams
+
+FAILURE_POLICIES = ("recompute", "fail")
+
+
+class DecodeWorker:
+    def __init__(self, engine: LLMEngine, connector: KVConnector, kv_load_failure_policy: str = "recompute",
+                 timeout_s: float | None = None) -> None:
+        if kv_load_failure_policy not in FAILURE_POLICIES:
+            raise ValueError(f"kv_load_failure_policy must be one of {FAILURE_POLICIES}, "
+                             f"got {kv_load_failure_policy!r}")
+        self.engine = engine
+        self.connector = connector
+        self.policy = kv_load_failure_policy
+        self.timeout_s = timeout_s
+        self.counters: Counter[str] = Counter()
+
+    def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
+                params: SamplingParams) -> dict[str, Any] | None:
+        blocks = self.engine.admit_remote(request_id, prompt_token_ids, params)
+        if blocks is None:
+            return None
+        self.connector.expect(request_id, len(blocks))
+        return self.connector.receiver_info()
+
+    def fetch(self, request_id: str, handoff: PrefillHandoff) -> torch.Tensor:
+        """Wait for R's verified KV (touches no engine state: may run off the engine thread)."""
+        return self.connector.receive(request_id, handoff.receipt, self.timeout_s)
+
+    def start(self, request_id: str, handoff: PrefillHandoff, packed: torch.Tensor | None = None,
+              error: KVTransferError | None = None) -> RequestOutput | None:
+        """Land R's KV and start decoding it; returns the output carrying the first token.
+
+        `packed`/`error`: the result of a `fetch` done elsewhere; with neither, fetch here.
+        """
+        if handoff.finished:  # nothing was sent: the first token's own stop check ends R here
+            self.connector.cancel(request_id)
+            return self.engine.finish_remote(request_id, ok=False, first_token=handoff.first_token,
+                                             first_logprobs=handoff.first_logprobs, recompute=True)
+        try:
+            if error is not None:
+                raise error
+            if packed is None:
+                packed = self.fetch(request_id, handoff)
+            self.engine.import_kv(request_id, packed)
+        except KVTransferError as exc:
+            self.counters[f"kv_failed_{exc.kind}"] += 1
+            out = self.engine.finish_remote(request_id, ok=False, first_token=handoff.first_token,
+                                            first_logprobs=handoff.first_logprobs,
+                                            recompute=self.policy == "recompute")
+            if self.policy == "fail":
+                raise
+            self.counters["recomputed"] += 1
+            return out
+        self.counters["kv_landed"] += 1
+        return self.engine.finish_remote(request_id, ok=True, first_token=handoff.first_token,
+                                         first_logprobs=handoff.first_logprobs)
+
+    def abandon(self, request_id: str) -> None:
+        """The prefill side never produced R's first token: recompute from the prompt, or drop R."""
+        self.connector.cancel(request_id)
+        if self.policy == "recompute":
+            self.engine.finish_remote(request_id, ok=False, first_token=None, recompute=True)
+            self.counters["recomputed"] += 1
+        else:
+            self.engine.abort_request(request_id)
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.engine.stats(), **self.counters,
+                **{f"kv_{k}": v for k, v in self.connector.stats().items()}}

@@ -1,0 +1,97 @@
+"""The prefill side of a hand-off, as a plain object (the Ray deployment is a thin shell).
+
+    prefill(R, prompt, params, receiver)  → engine runs R prefill-only → first token + held blocks
+                                          → export_kv(R) → connector.send → lease(R) starts
+    ack(R)                                → release R's blocks (late acks are counted, ignored)
+    reap()                                → release every R whose lease expired unacknowledged
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from cluster.engine.engine import LLMEngine
+from cluster.kvtransfer.base import KVConnector
+from cluster.kvtransfer.errors import KVTransferError
+from cluster.outputs import TokenLogprobs
+from cluster.sampling_params import SamplingParams
+
+
+@dataclass
+class PrefillHandoff:
+    """What the decode side needs besides the KV itself. `finished`: the first token already
+    ended the request (EOS, stop, max_tokens=1), so nothing was sent and nothing is held."""
+
+    request_id: str
+    first_token: int
+    first_logprobs: TokenLogprobs | None
+    receipt: dict[str, Any] = field(default_factory=dict)
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+
+
+class PrefillWorker:
+    def __init__(self, engine: LLMEngine, connector: KVConnector, lease_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.engine = engine
+        self.connector = connector
+        self.lease_s = lease_s
+        self.clock = clock
+        self.leases: dict[str, float] = {}
+        self.counters: Counter[str] = Counter()
+
+    def prefill(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                receiver: dict[str, Any]) -> PrefillHandoff:
+        """Prefill R, ship its KV to `receiver`; on a send error R's blocks are freed and it raises."""
+        self.reap()
+        engine = self.engine
+        engine.add_request(request_id, prompt_token_ids, params, prefill_only=True)
+        out = None
+        try:
+            while out is None:
+                out = next((o for o in engine.step() if o.request_id == request_id), None)
+        except BaseException:
+            engine.abort_request(request_id)
+            raise
+        done = out.outputs[0]
+        if done.finish_reason is not None:  # ended on its first token: nothing held
+            return PrefillHandoff(request_id, done.token_ids[0], (done.logprobs or [None])[0],
+                                  finished=True, finish_reason=done.finish_reason,
+                                  num_prompt_tokens=len(out.prompt_token_ids))
+        result = engine.take_prefilled(request_id)
+        try:
+            receipt = self.connector.send(request_id, len(result.prompt_token_ids),
+                                          engine.export_kv(request_id), receiver)
+        except KVTransferError:
+            engine.release(request_id)
+            self.counters["send_failed"] += 1
+            raise
+        self.leases[request_id] = self.clock() + self.lease_s
+        return PrefillHandoff(request_id, result.first_token, result.first_logprobs, receipt,
+                              num_prompt_tokens=len(result.prompt_token_ids))
+
+    def ack(self, request_id: str) -> bool:
+        """The decode side is done with R's KV (landed or given up): free R's blocks."""
+        if self.leases.pop(request_id, None) is None:
+            self.counters["late_acks"] += 1
+            return False
+        self.engine.release(request_id)
+        self.counters["acked"] += 1
+        return True
+
+    def reap(self) -> list[str]:
+        now = self.clock()
+        expired = [rid for rid, deadline in self.leases.items() if deadline <= now]
+        for rid in expired:
+            del self.leases[rid]
+            self.engine.release(rid)
+            self.counters["lease_expired"] += 1
+        return expired
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.engine.stats(), "leases": len(self.leases), **self.counters,
+                **{f"kv_{k}": v for k, v in self.connector.stats().items()}}
