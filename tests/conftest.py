@@ -28,3 +28,16 @@ def tiny_model_paths(tmp_path_factory, default_model_path):
 
     root = tmp_path_factory.mktemp("tiny-models")
     return {kind: build_tiny_model(kind, root / kind, default_model_path) for kind in VARIANTS}
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray for the whole session; workers can import the tests' helper modules."""
+    import ray
+
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+             runtime_env={"env_vars": {"PYTHONPATH": tests_dir,
+                                          "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "0")}})
+    yield ray
+    ray.shutdown()

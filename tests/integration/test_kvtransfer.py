@@ -1,0 +1,207 @@
+"""Every connector for real, between two Ray actor processes, each with its own engine.
+
+shared_store: the local Ray object store. tcp: loopback sockets. collective: gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from cluster import SamplingParams
+
+CONNECTORS = ["shared_store", "tcp", "collective"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+SMALL_ENGINE = {"cpu_kv_cache_bytes": 1 << 24, "enable_prefix_caching": False}
+SHORT = {"timeout_s": 5.0}
+
+
+def prompts() -> list[list[int]]:
+    return [[1, 504, 3156, 314, 2683, 42], list(range(2000, 2037)), list(range(5000, 5100))]
+
+
+def host(ray, connector, model, *, engine_args=SMALL_ENGINE, **kwargs):
+    from kv_host import KVHost
+
+    actor = KVHost.remote(connector, str(model) if model else None, engine_args,
+                          {**SHORT, **kwargs.pop("connector_options", {})}, **kwargs)
+    ray.get(actor.pid.remote())
+    return actor
+
+
+def blocks_in_use(ray, *actors) -> list[int]:
+    return [ray.get(a.stats.remote())["blocks_in_use"] for a in actors]
+
+
+@pytest.fixture(scope="module", params=CONNECTORS)
+def pair(request, ray_local, tiny_model_paths):
+    """(connector, prefill host, decode host) on the tiny Llama."""
+    ray = ray_local
+    model = tiny_model_paths["llama"]
+    p, d = host(ray, request.param, model), host(ray, request.param, model)
+    yield request.param, p, d
+    for a in (p, d):
+        ray.kill(a)
+
+
+def handoff(ray, p, d, rid, prompt, params=GREEDY):
+    receiver = ray.get(d.reserve.remote(rid, prompt, params))
+    assert receiver is not None
+    return ray.get(p.prefill.remote(rid, prompt, params, receiver))
+
+
+def test_round_trip_is_bit_exact(pair, ray_local):
+    ray = ray_local
+    _, p, d = pair
+    for i, prompt in enumerate(prompts()):
+        rid = f"rt-{i}"
+        receiver = ray.get(d.reserve.remote(rid, prompt, GREEDY))
+        sent_sha = ray.get(p.prefill_and_hold.remote(rid, prompt, GREEDY))
+        receipt = ray.get(p.send_raw.remote(rid, receiver, "none"))
+        landed_sha = ray.get(d.imported_sha.remote(rid, receipt))
+        assert landed_sha == sent_sha
+    assert blocks_in_use(ray, p, d) == [0, 0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("connector", CONNECTORS)
+def test_transferred_kv_decodes_like_colocated_on_the_default_model(connector, ray_local, default_model_path):
+    ray = ray_local
+    engine_args = {"cpu_kv_cache_bytes": 1 << 26}
+    p, d = host(ray, connector, None, engine_args=engine_args), host(ray, connector, None, engine_args=engine_args)
+    try:
+        for i, prompt in enumerate(prompts()):
+            rid = f"gd-{i}"
+            colocated = ray.get(d.generate_local.remote(prompt, GREEDY))
+            h = handoff(ray, p, d, rid, prompt)
+            assert ray.get(d.start.remote(rid, h)) == colocated
+            assert ray.get(p.ack.remote(rid))
+        stats = ray.get(d.stats.remote())
+        assert stats["kv_landed"] == 3 and "recomputed" not in stats
+        assert blocks_in_use(ray, p, d) == [0, 0]
+    finally:
+        for a in (p, d):
+            ray.kill(a)
+
+
+@pytest.mark.parametrize("mode,error", [
+    ("corrupt", "KVIntegrityError"),
+    ("truncate", "KVFrameError"),
+    ("pad", "KVFrameError"),
+    ("declare_huge", "KVFrameError"),
+])
+def test_bad_payloads_are_refused_counted_and_the_engines_keep_serving(pair, ray_local, mode, error):
+    ray = ray_local
+    connector, p, d = pair
+    prompt = prompts()[1]
+    rid = f"bad-{mode}"
+    receiver = ray.get(d.reserve.remote(rid, prompt, GREEDY))
+    ray.get(p.prefill_and_hold.remote(rid, prompt, GREEDY))
+    try:
+        receipt = ray.get(p.send_raw.remote(rid, receiver, mode))
+    except Exception as exc:  # the receiver may refuse on the spot (tcp replies with the error)
+        assert error in repr(exc)
+        receipt = {}
+    got = ray.get(d.receive_error.remote(rid, receipt, 5.0))
+    assert got is not None and (error in got or connector != "shared_store" and "KVTimeoutError" in got), got
+    # still serving: a clean hand-off right after gives the colocated tokens
+    colocated = ray.get(d.generate_local.remote(prompt, GREEDY))
+    h = handoff(ray, p, d, f"after-{mode}", prompt)
+    assert ray.get(d.start.remote(f"after-{mode}", h)) == colocated
+    ray.get(p.ack.remote(f"after-{mode}"))
+    assert blocks_in_use(ray, p, d) == [0, 0]
+
+
+@pytest.mark.parametrize("connector", CONNECTORS)
+def test_unacknowledged_kv_is_freed_when_the_lease_expires(connector, ray_local, tiny_model_paths):
+    ray = ray_local
+    model = tiny_model_paths["llama"]
+    p, d = host(ray, connector, model, lease_s=1.0), host(ray, connector, model)
+    try:
+        h = handoff(ray, p, d, "lease", prompts()[2])
+        assert blocks_in_use(ray, p)[0] > 0
+        time.sleep(1.2)
+        assert ray.get(p.reap.remote()) == ["lease"]
+        assert not ray.get(p.ack.remote("lease"))  # late: ignored, counted
+        stats = ray.get(p.stats.remote())
+        assert stats["lease_expired"] == 1 and stats["late_acks"] == 1 and stats["blocks_in_use"] == 0
+        ray.get(d.start.remote("lease", h))  # the decode side still gets its tokens
+        assert blocks_in_use(ray, d) == [0]
+    finally:
+        for a in (p, d):
+            ray.kill(a)
+
+
+@pytest.mark.parametrize("connector", CONNECTORS)
+def test_layout_mismatch_is_refused_at_handshake_naming_both_sides(connector, ray_local, tiny_model_paths):
+    ray = ray_local
+    model = tiny_model_paths["llama"]
+    p = host(ray, connector, model)
+    d = host(ray, connector, model, engine_args={**SMALL_ENGINE, "block_size": 8})
+    try:
+        prompt = prompts()[1]
+        receiver = ray.get(d.reserve.remote("mm", prompt, GREEDY))
+        with pytest.raises(Exception, match=r"KVLayoutMismatchError.*block_size 16.*block_size 8"):
+            ray.get(p.prefill.remote("mm", prompt, GREEDY, receiver))
+        colocated = ray.get(d.generate_local.remote(prompt, GREEDY))
+        assert ray.get(d.abandon.remote("mm")) == colocated  # decode recomputes (default policy)
+        assert blocks_in_use(ray, p, d) == [0, 0]
+    finally:
+        for a in (p, d):
+            ray.kill(a)
+
+
+@pytest.mark.parametrize("connector", CONNECTORS)
+def test_peer_gone_before_and_after_send(connector, ray_local, tiny_model_paths):
+    ray = ray_local
+    model = tiny_model_paths["llama"]
+    prompt = prompts()[1]
+    p, d = host(ray, connector, model, lease_s=1.0), host(ray, connector, model)
+    try:
+        # before: the decode actor dies after reserving, before the prefill sends
+        receiver = ray.get(d.reserve.remote("gone1", prompt, GREEDY))
+        ray.kill(d)
+        try:
+            ray.get(p.prefill.remote("gone1", prompt, GREEDY, receiver))
+            sent = True  # the object store accepts a put without a live reader
+        except Exception as exc:
+            assert "KVPeerGoneError" in repr(exc) or "KVTimeoutError" in repr(exc), repr(exc)
+            sent = False
+        if sent:
+            time.sleep(1.1)
+            assert ray.get(p.reap.remote()) == ["gone1"]
+        assert blocks_in_use(ray, p) == [0]
+
+        # after: the prefill actor dies once the KV is sent; decode still finishes the request
+        d = host(ray, connector, model)
+        colocated = ray.get(d.generate_local.remote(prompt, GREEDY))
+        h = handoff(ray, p, d, "gone2", prompt)
+        ray.kill(p)
+        assert ray.get(d.start.remote("gone2", h)) == colocated  # landed, or recomputed
+        assert blocks_in_use(ray, d) == [0]
+    finally:
+        for a in (p, d):
+            ray.kill(a)
+
+
+@pytest.mark.parametrize("connector", ["tcp", "shared_store"])
+def test_failure_policy_fail_ends_the_request_with_the_typed_error(connector, ray_local, tiny_model_paths):
+    from cluster.prefill.worker import PrefillHandoff
+
+    ray = ray_local
+    model = tiny_model_paths["llama"]
+    p, d = host(ray, connector, model), host(ray, connector, model, policy="fail")
+    try:
+        prompt = prompts()[1]
+        receiver = ray.get(d.reserve.remote("f", prompt, GREEDY))
+        ray.get(p.prefill_and_hold.remote("f", prompt, GREEDY))
+        receipt = ray.get(p.send_raw.remote("f", receiver, "corrupt"))
+        with pytest.raises(Exception, match="KVIntegrityError"):
+            ray.get(d.start.remote("f", PrefillHandoff("f", 5, None, receipt)))
+        stats = ray.get(d.stats.remote())
+        assert stats["kv_failed_checksum"] == 1 and stats["blocks_in_use"] == 0
+        assert "recomputed" not in stats
+    finally:
+        for a in (p, d):
+            ray.kill(a)

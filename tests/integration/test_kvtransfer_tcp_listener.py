@@ -1,0 +1,109 @@
+"""The TCP listener against hostile peers, in-process on loopback: nothing is unpickled,
+bad frames are refused and counted, and the listener keeps serving."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from cluster.kvtransfer.errors import KVFrameError, KVPeerGoneError, KVTimeoutError
+from cluster.kvtransfer.tcp import MAGIC, TcpConnector
+from cluster.kvtransfer.wire import KVLayout, make_header
+
+LAYOUT = KVLayout("tiny@0", 2, 2, 8, 4, "float32")
+
+
+@pytest.fixture
+def receiver():
+    conn = TcpConnector(LAYOUT, timeout_s=3.0, max_payload_bytes=1 << 20)
+    yield conn
+    conn.close()
+
+
+def payload(num_blocks: int = 3, seed: int = 0) -> torch.Tensor:
+    return torch.randn(LAYOUT.payload_shape(num_blocks), generator=torch.Generator().manual_seed(seed))
+
+
+def raw_send(address: str, frames: list[bytes]) -> dict:
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    try:
+        sock.send_multipart(frames)
+        assert sock.poll(3000), "the listener must answer"
+        return msgpack.unpackb(sock.recv())
+    finally:
+        sock.close(0)
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_pickled_frames_are_refused_and_never_executed(receiver, tmp_path):
+    marker = tmp_path / "pwned"
+    _Exploit.marker = str(marker)
+    evil = pickle.dumps(_Exploit())
+    address = receiver.receiver_info()["address"]
+    receiver.expect("r1", 3)
+
+    assert raw_send(address, [evil])["ok"] is False  # a lone pickle
+    reply = raw_send(address, [MAGIC, evil, evil])  # a pickle where the header goes
+    assert reply["ok"] is False and reply["kind"] == "frame"
+    assert not marker.exists()
+    assert receiver.stats()["refused_bad_frame"] == 1 and receiver.stats()["refused_frame"] == 1
+
+    # and it still serves a real transfer
+    sender = TcpConnector(LAYOUT, timeout_s=3.0, listen=False)
+    try:
+        kv = payload()
+        sender.send("r1", 10, kv, receiver.receiver_info())
+        assert torch.equal(receiver.receive("r1", {}), kv)
+    finally:
+        sender.close()
+
+
+def test_unexpected_oversized_and_unreachable(receiver):
+    address = receiver.receiver_info()["address"]
+    header, view = make_header("nobody", 10, payload(), LAYOUT)
+    reply = raw_send(address, [MAGIC, header.encode(), bytes(view)])
+    assert reply["ok"] is False and receiver.stats()["dropped_unexpected"] == 1
+
+    sender = TcpConnector(LAYOUT, timeout_s=2.0, listen=False)
+    try:
+        # a frame over ZMQ_MAXMSGSIZE: libzmq drops it (and the connection) before allocating
+        receiver.expect("big", 3)
+        with pytest.raises(KVTimeoutError):
+            sender.transmit_frames(address, [MAGIC, header.encode(), b"\0" * ((1 << 20) + 1)])
+        with pytest.raises(KVTimeoutError):
+            receiver.receive("big", {}, timeout_s=0.5)
+        # nobody listens here
+        with pytest.raises(KVPeerGoneError):
+            sender.send("x", 10, payload(), {**receiver.receiver_info(), "address": "tcp://127.0.0.1:9"})
+        # the listener is still fine
+        receiver.expect("ok", 3)
+        kv = payload(seed=1)
+        sender.send("ok", 10, kv, receiver.receiver_info())
+        assert torch.equal(receiver.receive("ok", {}), kv)
+    finally:
+        sender.close()
+
+
+def test_header_parsing_is_bounded_and_typed():
+    from cluster.kvtransfer.wire import MAX_HEADER_BYTES, parse_header
+
+    header, _ = make_header("r", 5, payload(1), LAYOUT)
+    assert parse_header(header.encode()) == header
+    for bad in (b"", b"\xc1", msgpack.packb([1, 2]), msgpack.packb({"v": 99}),
+                msgpack.packb({"v": 1, "request_id": "r"}), b"\x81" + b"\xa1a" * 3,
+                msgpack.packb({**msgpack.unpackb(header.encode()), "num_blocks": -1}),
+                b"x" * (MAX_HEADER_BYTES + 1)):
+        with pytest.raises(KVFrameError):
+            parse_header(bad)
