@@ -9,7 +9,8 @@ random data, generated inside the sending actor (nothing big crosses the driver)
 
 Processes: sender and receiver are two Ray actors (threaded, max_concurrency=4, torch threads
 1, `kv_control` forwarding to the collective connector's `on_control`) on a local
-`ray.init(num_cpus=2)`. Each actor hosts one connector of every kind at once.
+`ray.init(num_cpus=2)` with a 2 GiB object store preallocated (RAY_preallocate_plasma_memory=1).
+Each actor hosts one connector of every kind at once.
 
 Timing (cross-process, same host): both actors stamp `time.time()` (one system clock for all
 processes on a host, microsecond resolution). The sender stamps just before
@@ -353,6 +354,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--sizes", default="256,1024,4096", help="prompt sizes in tokens")
     ap.add_argument("--connectors", default=",".join(CONNECTORS))
+    ap.add_argument("--object-store-gib", type=float, default=2.0,
+                    help="object store size; its memory is touched up front (preallocated) so "
+                         "puts do not pay first-touch page faults, as on a long-running server")
     args = ap.parse_args(argv)
     token_sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     names = [c.strip() for c in args.connectors.split(",") if c.strip()]
@@ -381,12 +385,14 @@ def main(argv: list[str] | None = None) -> dict:
     if "collective" in names:
         try:
             from cluster.kvtransfer.collective import CollectiveConnector  # noqa: F401
-        except Exception as exc:  # not written yet, or broken
+        except Exception as exc:  # e.g. a torch without torch.distributed
             skipped["collective"] = f"collective module does not import: {type(exc).__name__}: {exc}"
             names.remove("collective")
 
     t_start = time.perf_counter()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    os.environ["RAY_preallocate_plasma_memory"] = "1"  # read by the raylet ray.init starts
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+             object_store_memory=int(args.object_store_gib * 2**30))
     actors: list[Any] = []
     try:
         sender, receiver = Peer.remote(names), Peer.remote(names)
