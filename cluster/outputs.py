@@ -52,3 +52,29 @@ class PrefillResult:
     first_token: int
     first_logprobs: TokenLogprobs | None
     block_ids: list[int]
+
+
+@dataclass
+class TokenDelta:
+    """What a decode replica streams per request: the tokens since the previous delta.
+
+    Several engine steps may be coalesced into one delta when the consumer is behind.
+    """
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None  # one per token in token_ids, when asked for
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    @classmethod
+    def merge(cls, outs: list[RequestOutput]) -> TokenDelta:
+        """One delta out of consecutive outputs of the same request."""
+        last = outs[-1]
+        done = last.outputs[0]
+        token_ids = [t for o in outs for t in o.outputs[0].delta_token_ids]
+        logprobs = done.logprobs[len(done.logprobs) - len(token_ids):] if done.logprobs is not None else None
+        return cls("".join(o.outputs[0].delta_text for o in outs), token_ids, logprobs,
+                   done.finish_reason, done.stop_reason, len(last.prompt_token_ids), last.num_cached_tokens)
