@@ -150,11 +150,63 @@ class KVTransferConfig:
         if self.max_payload_bytes < 1:
             raise ValueError("max_payload_bytes must be positive")
 
-    def connector_options(self) -> dict[str, Any]:
-        """Keyword arguments for `create_connector(self.connector, layout, **options)`."""
+    def connector_options(self, role: str = "decode") -> dict[str, Any]:
+        """Keyword arguments for `create_connector(self.connector, layout, **options)`;
+        `role` "prefill" only sends (a TCP prefill side opens no listening socket)."""
         common: dict[str, Any] = {"timeout_s": self.timeout_s, "max_payload_bytes": self.max_payload_bytes}
         if self.connector == "tcp":
+            if role == "prefill":
+                return {**common, "listen": False}
             return {**common, "host": self.host, "port": self.port, "advertise_host": self.advertise_host}
         if self.connector == "collective":
             return {**common, "host": self.host}
         return common
+
+
+MODES = ("disaggregated", "colocated")
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    """Everything the Serve app needs, from its YAML `args` (see `from_args`).
+
+    mode: "disaggregated" (prefill pool → KV transfer → decode pool) or "colocated" (the
+    decode pool prefills locally; no prefill pool, no transfer).
+    served_model_name: the id in /v1/models and in requests; default: the model folder's name.
+    api_key: when set, /v1 routes need `Authorization: Bearer <api_key>`.
+    max_request_bytes: bodies over this get a 413.
+    """
+
+    mode: str = "disaggregated"
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_request_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.max_request_bytes < 1024:
+            raise ValueError("max_request_bytes must be >= 1024")
+
+    @classmethod
+    def from_args(cls, args: dict[str, Any] | None) -> AppConfig:
+        """`{mode, model, engine: {flat engine args}, kv_transfer: {...}, served_model_name,
+        api_key, max_request_bytes}`; an unknown key anywhere is an error naming it."""
+        args = dict(args or {})
+        known = {"mode", "model", "engine", "kv_transfer", "served_model_name", "api_key", "max_request_bytes"}
+        unknown = sorted(set(args) - known)
+        if unknown:
+            raise ValueError(f"unknown app arg(s) {unknown}; known: {sorted(known)}")
+        engine_args = dict(args.pop("engine", None) or {})
+        kv_args = dict(args.pop("kv_transfer", None) or {})
+        kv_known = {f.name for f in fields(KVTransferConfig)}
+        bad = sorted(set(kv_args) - kv_known)
+        if bad:
+            raise ValueError(f"unknown kv_transfer key(s) {bad}; known: {sorted(kv_known)}")
+        try:
+            engine = EngineConfig.from_kwargs(model=args.pop("model", None), **engine_args)
+        except TypeError as exc:
+            raise ValueError(str(exc)) from None
+        return cls(engine=engine, kv_transfer=KVTransferConfig(**kv_args), **args)

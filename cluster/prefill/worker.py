@@ -32,6 +32,7 @@ class PrefillHandoff:
     finished: bool = False
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
+    origin: str = ""  # which prefill replica holds R's blocks (acks go back there)
 
 
 class PrefillWorker:

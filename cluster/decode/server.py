@@ -1,0 +1,132 @@
+"""A decode replica as a plain asyncio object: continuous batching on one engine thread,
+requests arriving either with a prompt to prefill here (colocated) or with their prompt's
+KV coming from a prefill replica (disaggregated).
+
+    generate(R, prompt, params, prefill)
+      colocated (prefill is None): R joins the engine's queue like any request
+      disaggregated:
+        1. reserve R's destination blocks; expect R on the connector  (no room → prefill here)
+        2. await prefill.prefill(R, ..., receiver)  → first token, KV pushed/put by prefill
+        3. fetch + verify the KV off the engine thread; import it; R joins the running batch
+           (a transfer error takes kv_load_failure_policy: recompute here, or fail R)
+        4. ack the prefill replica (it frees R's blocks), then stream R's tokens
+    Closing the stream early (client gone) aborts R and frees its blocks.
+
+The Serve deployment (cluster/decode/deployment.py) is a thin shell over this class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from typing import Any, AsyncIterator, Protocol, Sequence
+
+from cluster.config import AppConfig
+from cluster.decode.worker import DecodeWorker
+from cluster.engine.async_engine import AsyncEngine
+from cluster.engine.engine import LLMEngine
+from cluster.kvtransfer.base import create_connector
+from cluster.kvtransfer.errors import KVTransferError
+from cluster.outputs import TokenDelta
+from cluster.prefill.worker import PrefillHandoff
+from cluster.sampling_params import SamplingParams
+
+
+class PrefillClient(Protocol):
+    async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                      receiver: dict[str, Any]) -> PrefillHandoff: ...
+
+    async def ack(self, handoff: PrefillHandoff) -> None: ...
+
+
+class PrefillFailed(RuntimeError):
+    """The prefill pool could not produce R's first token and the policy is `fail`."""
+
+
+class DecodeServer:
+    def __init__(self, config: AppConfig, engine: LLMEngine | None = None) -> None:
+        self.config = config
+        engine = engine or LLMEngine(config.engine)
+        self.connector = None
+        self.worker: DecodeWorker | None = None
+        if config.mode == "disaggregated":
+            kv = config.kv_transfer
+            self.connector = create_connector(kv.connector, engine.kv_layout(), **kv.connector_options("decode"))
+            self.worker = DecodeWorker(engine, self.connector, kv.kv_load_failure_policy, kv.timeout_s)
+        self.engine = AsyncEngine(engine)
+        self.counters: Counter[str] = Counter()
+        self._acks: set[asyncio.Task] = set()
+
+    async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                       prefill: PrefillClient | None = None) -> AsyncIterator[list[TokenDelta]]:
+        prompt = list(prompt_token_ids)
+        stream = self.engine.open(request_id)
+        try:
+            if prefill is None or self.worker is None:
+                await self.engine.call(lambda e: e.add_request(request_id, prompt, params))
+            else:
+                first = await self._remote_prefill(request_id, prompt, params, prefill)
+                if first is not None:
+                    stream.put(first)
+            async for outs in stream:
+                yield [TokenDelta.merge(outs)]
+        finally:
+            if self.connector is not None:
+                self.connector.cancel(request_id)
+            await self.engine.close_stream(request_id)
+
+    async def _remote_prefill(self, rid: str, prompt: list[int], params: SamplingParams,
+                              prefill: PrefillClient) -> Any:
+        worker = self.worker
+        assert worker is not None
+        receiver = await self.engine.call(lambda e: worker.reserve(rid, prompt, params))
+        if receiver is None:  # no room for R's KV right now: queue it here, prefilled locally
+            self.counters["prefilled_locally_no_room"] += 1
+            await self.engine.call(lambda e: e.add_request(rid, prompt, params))
+            return None
+        try:
+            handoff = await prefill.prefill(rid, prompt, params, receiver)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.counters["prefill_failed"] += 1
+            await self.engine.call(lambda e: worker.abandon(rid))
+            if worker.policy == "fail":
+                raise PrefillFailed(f"prefill failed: {type(exc).__name__}: {exc}") from exc
+            return None  # recomputed here from the prompt
+        packed = error = None
+        if not handoff.finished:
+            try:
+                packed = await asyncio.to_thread(worker.fetch, rid, handoff)
+            except KVTransferError as exc:
+                error = exc
+            self._ack(prefill, handoff)
+        return await self.engine.call(lambda e: worker.start(rid, handoff, packed, error))
+
+    def _ack(self, prefill: PrefillClient, handoff: PrefillHandoff) -> None:
+        task = asyncio.get_running_loop().create_task(prefill.ack(handoff))
+        self._acks.add(task)
+        task.add_done_callback(self._ack_done)
+
+    def _ack_done(self, task: asyncio.Task) -> None:
+        self._acks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.counters["ack_failed"] += 1  # the prefill side's lease frees the blocks
+
+    def routing_stats(self) -> dict[str, Any]:
+        e = self.engine.engine
+        return {"free_blocks": e.blocks.num_free_blocks, "num_running": len(e.scheduler.running),
+                "num_waiting": len(e.scheduler.waiting) + len(e.scheduler.remote)}
+
+    async def stats(self) -> dict[str, Any]:
+        if self.worker is not None:
+            base = await self.engine.call(lambda e: self.worker.stats())
+        else:
+            base = await self.engine.call(lambda e: e.stats())
+        return {**base, **self.counters, "engine_alive": self.engine.alive,
+                "steps": self.engine.steps}
+
+    def close(self) -> None:
+        self.engine.shutdown()
+        if self.connector is not None:
+            self.connector.close()

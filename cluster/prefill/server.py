@@ -1,0 +1,86 @@
+"""A prefill replica as a plain asyncio object: one engine thread runs prompts one after the
+other (each prompt's chunks fill the step budget), acks free leases, a timer reaps expired ones.
+
+The Serve deployment (cluster/prefill/deployment.py) is a thin shell over this class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from typing import Any, Sequence
+
+from cluster.config import AppConfig
+from cluster.engine.engine import LLMEngine
+from cluster.kvtransfer.base import create_connector
+from cluster.prefill.worker import PrefillHandoff, PrefillWorker
+from cluster.sampling_params import SamplingParams
+
+
+class PrefillServer:
+    def __init__(self, config: AppConfig, engine: LLMEngine | None = None) -> None:
+        self.config = config
+        self.engine = engine or LLMEngine(config.engine)
+        kv = config.kv_transfer
+        self.connector = create_connector(kv.connector, self.engine.kv_layout(),
+                                          **kv.connector_options(role="prefill"))
+        self.worker = PrefillWorker(self.engine, self.connector, lease_s=kv.lease_s)
+        # The engine is single-threaded: every call that touches it runs on this one thread.
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tandem-prefill")
+        self.queued_prompt_tokens = 0
+        self.queued_requests = 0
+        self._reaper: asyncio.Task | None = None
+
+    async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                      receiver: dict[str, Any]) -> PrefillHandoff:
+        self._ensure_reaper()
+        n = len(prompt_token_ids)
+        self.queued_prompt_tokens += n
+        self.queued_requests += 1
+        try:
+            return await self._run(self.worker.prefill, request_id, list(prompt_token_ids), params, receiver)
+        finally:
+            self.queued_prompt_tokens -= n
+            self.queued_requests -= 1
+
+    async def ack(self, request_id: str) -> bool:
+        return await self._run(self.worker.ack, request_id)
+
+    async def stats(self) -> dict[str, Any]:
+        return {**await self._run(self.worker.stats), "queued_prompt_tokens": self.queued_prompt_tokens}
+
+    def routing_stats(self) -> dict[str, Any]:
+        return {"queued_prompt_tokens": self.queued_prompt_tokens, "queued_requests": self.queued_requests}
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _ensure_reaper(self) -> None:
+        if self._reaper is None or self._reaper.done():
+            self._reaper = asyncio.get_running_loop().create_task(self._reap_forever())
+
+    async def _reap_forever(self) -> None:
+        period = max(0.05, min(1.0, self.config.kv_transfer.lease_s / 4))
+        while True:
+            await asyncio.sleep(period)
+            await self._run(self.worker.reap)
+
+    def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.connector.close()
+
+
+class LocalPrefillClient:
+    """A `PrefillClient` over a `PrefillServer` in the same process (tests, single-process use)."""
+
+    def __init__(self, server: PrefillServer) -> None:
+        self.server = server
+
+    async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                      receiver: dict[str, Any]) -> PrefillHandoff:
+        return await self.server.prefill(request_id, prompt_token_ids, params, receiver)
+
+    async def ack(self, handoff: PrefillHandoff) -> None:
+        await self.server.ack(handoff.request_id)
