@@ -1,0 +1,182 @@
+"""The Serve application: an OpenAI router (FastAPI ingress) over a decode pool, which asks a
+prefill pool for each prompt's KV (disaggregated) or prefills locally (colocated).
+
+    serve deploy configs/serve.yaml      # import_path: cluster.router.app:build_app
+
+    HTTP ─▶ Router ── DecodeRouter ──▶ DecodePool ── PrefillRouter ──▶ PrefillPool
+              ▲        (free blocks,      │  ▲          (queued prompt      │
+              │         load)             │  └── KV via the connector ◀────┘
+              └──── token deltas (streamed; several tokens per chunk when behind)
+
+Pool sizes, autoscaling and actor options come from the YAML `deployments:` entries named
+Router, PrefillPool and DecodePool; model, connector, cache and scheduler from the app's args.
+
+(No `from __future__ import annotations` here: Serve's class-based FastAPI views need real
+annotation objects to see that `request: Request` is the request, not a query parameter.)
+"""
+
+
+import contextvars
+import hmac
+import json
+import os
+from typing import Any, AsyncIterator
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.handle import DeploymentHandle
+
+from cluster.config import AppConfig
+from cluster.decode.deployment import DecodeDeployment
+from cluster.decode.server import PrefillFailed
+from cluster.engine.tokenizer import Tokenizer
+from cluster.kvtransfer.errors import KVTransferError
+from cluster.models.architecture import Architecture
+from cluster.models.loader import resolve_model_path
+from cluster.outputs import TokenDelta
+from cluster.prefill.deployment import PrefillDeployment
+from cluster.router.openai_server import OpenAIServer
+from cluster.router.protocol import APIError
+from cluster.router.request_routers import ROUTING_STATS_PERIOD_S
+from cluster.router.stats_board import board
+from cluster.sampling_params import SamplingParams
+
+api = FastAPI(title="Tandem", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+@serve.deployment(name="Router", max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
+@serve.ingress(api)
+class RouterDeployment:
+    def __init__(self, config: dict[str, Any], decode: DeploymentHandle) -> None:
+        self.config = AppConfig.from_args(config)
+        model = self.config.engine.model
+        path = resolve_model_path(model.model, model.cache_dir)
+        arch = Architecture.from_folder(path)
+        max_len = min(x for x in (model.max_model_len or arch.max_position_embeddings,
+                                  arch.sliding_window or 1 << 62))
+        self.decode = decode.options(stream=True)
+        self.stats_handle = decode
+        self.api_key = self.config.api_key or os.environ.get("TANDEM_API_KEY") or None
+        self.openai = OpenAIServer(self.config.served_model_name or path.name, Tokenizer(path), max_len,
+                                   self._generate)
+        self.app_name = serve.get_replica_context().app_name
+
+    async def _generate(self, request_id: str, prompt_ids: list[int],
+                        params: SamplingParams) -> AsyncIterator[list[TokenDelta]]:
+        # A fresh context: Serve tags handle calls with the HTTP request's internal id, and the
+        # n concurrent children of one request must not share it (their streams would collide).
+        gen = contextvars.Context().run(self.decode.generate.remote, request_id, prompt_ids, params)
+        finished = False
+        try:
+            async for deltas in gen:
+                yield deltas
+            finished = True
+        finally:
+            if not finished:
+                gen.cancel()  # the client went away: the decode replica aborts R and frees its blocks
+
+    # -- routes ------------------------------------------------------------------------
+    @api.get("/health")
+    async def health(self) -> Response:
+        return Response(status_code=200)
+
+    @api.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        self._auth(request)
+        return JSONResponse(self.openai.models())
+
+    @api.post("/v1/chat/completions")
+    async def chat(self, request: Request) -> Response:
+        return await self._serve(request, self.openai.chat)
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, self.openai.completions)
+
+    @api.get("/debug/stats")
+    async def debug_stats(self, request: Request) -> Response:
+        """Every live replica's engine and transfer counters (blocks in use, running, ...)."""
+        self._auth(request)
+        replicas = await board(self.app_name).read.remote()
+        return JSONResponse({"replicas": sorted(replicas, key=lambda r: (r["pool"], r["replica"]))})
+
+    # -- helpers -----------------------------------------------------------------------
+    async def _serve(self, request: Request, handler) -> Response:
+        try:
+            self._auth(request)
+            body = await self._body(request)
+            result = await handler(body)
+        except APIError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        except Exception as exc:
+            err = _as_api_error(exc)
+            return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(result, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def _auth(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        got = request.headers.get("authorization", "")
+        if not hmac.compare_digest(got.encode(), f"Bearer {self.api_key}".encode()):
+            raise APIError(401, "invalid or missing API key", type_="authentication_error",
+                           code="invalid_api_key")
+
+    async def _body(self, request: Request) -> Any:
+        limit = self.config.max_request_bytes
+        ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+        if ctype != "application/json":
+            raise APIError(415, "the body must be application/json")
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"the body exceeds {limit} bytes")
+        data = bytearray()
+        async for part in request.stream():
+            data += part
+            if len(data) > limit:
+                raise APIError(413, f"the body exceeds {limit} bytes")
+        try:
+            return json.loads(bytes(data).decode("utf-8", errors="strict"))
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            raise APIError(400, "the body is not valid JSON") from None
+
+
+def _as_api_error(exc: BaseException) -> APIError:
+    from ray.serve.exceptions import BackPressureError
+
+    if isinstance(exc, BackPressureError):
+        return APIError(503, "the server is at capacity; retry later", type_="server_error",
+                        headers={"Retry-After": "1"})
+    if isinstance(exc, (PrefillFailed, KVTransferError)):
+        return APIError(503, f"the prompt could not be prefilled: {type(exc).__name__}", type_="server_error",
+                        headers={"Retry-After": "1"})
+    if isinstance(exc, ValueError):  # the engine's own checks (prompt, limits)
+        return APIError(400, str(exc)[:500])
+    if isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
+        return APIError(503, "a replica was lost; retry", type_="server_error", headers={"Retry-After": "1"})
+    return APIError(500, f"internal error: {type(exc).__name__}", type_="internal_error")
+
+
+def build_app(args: dict[str, Any] | None = None) -> serve.Application:
+    """Serve's app builder: validates `args` (unknown keys are errors) and wires the pools."""
+    config = AppConfig.from_args(args)
+    if config.mode == "disaggregated" and config.kv_transfer.connector == "collective":
+        raise ValueError("the collective connector forms its groups through actor-to-actor calls that "
+                         "Serve replicas do not expose yet; serve with 'tcp' or 'shared_store'")
+    raw = dict(args or {})
+    stats_period = {"request_routing_stats_period_s": ROUTING_STATS_PERIOD_S}
+    decode_router = RequestRouterConfig(request_router_class="cluster.router.request_routers:DecodeRouter",
+                                        **stats_period)
+    if config.mode == "colocated":
+        decode = DecodeDeployment.options(request_router_config=decode_router).bind(raw, None)
+    else:
+        prefill_router = RequestRouterConfig(request_router_class="cluster.router.request_routers:PrefillRouter",
+                                             **stats_period)
+        prefill = PrefillDeployment.options(request_router_config=prefill_router).bind(raw)
+        decode = DecodeDeployment.options(request_router_config=decode_router).bind(raw, prefill)
+    return RouterDeployment.bind(raw, decode)

@@ -1,0 +1,259 @@
+"""The OpenAI API as a plain object: validate, tokenize, fan out n samples to a `generate`
+function (the decode pool, or an in-process decode server in tests), and shape responses.
+
+    chat(body) / completions(body)
+      → request schema (400 on anything invalid, 404 on an unknown model)
+      → prompt token ids (chat template for chat), limits checked against max_model_len
+      → n child requests "<id>-<j>" with seed + j, run concurrently
+      → one response, or an SSE stream: role chunk, content chunks (several tokens per chunk
+        when the client is behind), a finish chunk per choice, usage when asked, [DONE]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable
+
+from pydantic import ValidationError
+
+from cluster.outputs import TokenDelta, TokenLogprobs
+from cluster.router.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
+                                     validation_message)
+from cluster.sampling_params import SamplingParams
+
+GenerateFn = Callable[[str, list[int], SamplingParams], AsyncIterator[list[TokenDelta]]]
+
+
+@dataclasses.dataclass
+class _Choice:
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class OpenAIServer:
+    def __init__(self, model_name: str, tokenizer: Any, max_model_len: int, generate: GenerateFn,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.model_name = model_name
+        self.tokenizer = tokenizer  # cluster.engine.tokenizer.Tokenizer
+        self.max_model_len = max_model_len
+        self.generate = generate
+        self.clock = clock
+
+    def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                            "owned_by": "tandem", "max_model_len": self.max_model_len}]}
+
+    # -- entry points ----------------------------------------------------------------
+    async def chat(self, body: Any) -> dict[str, Any] | AsyncIterator[str]:
+        req = _parse(ChatCompletionRequest, body)
+        self._check_model(req.model)
+        req.check_stream_options()
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in req.messages]
+        try:
+            prompt_ids = self.tokenizer.encode_chat(messages)
+        except Exception as exc:  # a template that rejects this conversation
+            raise APIError(400, f"cannot apply the chat template: {type(exc).__name__}") from None
+        return await self._run("chat", req, prompt_ids)
+
+    async def completions(self, body: Any) -> dict[str, Any] | AsyncIterator[str]:
+        req = _parse(CompletionRequest, body)
+        self._check_model(req.model)
+        req.check_stream_options()
+        if isinstance(req.prompt, str):
+            prompt_ids = self.tokenizer.encode(req.prompt)
+        else:
+            prompt_ids = list(req.prompt)
+            if any(t < 0 or t >= self.tokenizer.vocab_size for t in prompt_ids):
+                raise APIError(400, f"prompt token ids must be in [0, {self.tokenizer.vocab_size})", param="prompt")
+        if req.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        return await self._run("text", req, prompt_ids)
+
+    # -- shared ----------------------------------------------------------------------
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(404, f"the model `{model[:200]}` does not exist; this server serves "
+                                f"`{self.model_name}`", param="model", code="model_not_found")
+
+    def _limits(self, prompt_ids: list[int], requested: int | None) -> int:
+        if not prompt_ids:
+            raise APIError(400, "the prompt is empty", param="messages")
+        room = self.max_model_len - len(prompt_ids)
+        if room < 1:
+            raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens; "
+                                f"the prompt has {len(prompt_ids)} tokens", param="messages",
+                           code="context_length_exceeded")
+        if requested is not None and requested > room:
+            raise APIError(400, f"max_tokens is {requested}, but the prompt has {len(prompt_ids)} tokens "
+                                f"and the maximum context length is {self.max_model_len}",
+                           param="max_tokens", code="context_length_exceeded")
+        return requested if requested is not None else room
+
+    async def _run(self, kind: str, req: Any, prompt_ids: list[int]) -> dict[str, Any] | AsyncIterator[str]:
+        max_tokens = self._limits(prompt_ids, req.requested_max_tokens())
+        params = req.sampling_params(max_tokens, req.requested_logprobs())
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        children = [(f"{rid}-{j}", dataclasses.replace(params, seed=None if params.seed is None else params.seed + j))
+                    for j in range(req.n)]
+        created = int(self.clock())
+        if not req.stream:
+            choices = await asyncio.gather(*(self._collect(cid, prompt_ids, p) for cid, p in children))
+            return self._response(kind, rid, created, choices, len(prompt_ids), params.logprobs is not None)
+        merged = _merge([self.generate(cid, prompt_ids, p) for cid, p in children])
+        try:
+            first = await merged.__anext__()  # errors before the first byte keep their HTTP status
+        except BaseException:
+            await merged.aclose()
+            raise
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return self._stream(kind, rid, created, req.n, len(prompt_ids), first, merged, include_usage,
+                            params.logprobs is not None)
+
+    async def _collect(self, cid: str, prompt_ids: list[int], params: SamplingParams) -> _Choice:
+        choice = _Choice()
+        async for deltas in self.generate(cid, prompt_ids, params):
+            for d in deltas:
+                choice.text += d.text
+                choice.token_ids += d.token_ids
+                choice.logprobs += d.logprobs or []
+                choice.finish_reason, choice.stop_reason = d.finish_reason, d.stop_reason
+        return choice
+
+    # -- shapes ----------------------------------------------------------------------
+    def _response(self, kind: str, rid: str, created: int, choices: list[_Choice], num_prompt: int,
+                  with_logprobs: bool) -> dict[str, Any]:
+        out = []
+        for i, c in enumerate(choices):
+            lp = self._logprobs(kind, c.logprobs) if with_logprobs else None
+            if kind == "chat":
+                out.append({"index": i, "message": {"role": "assistant", "content": c.text},
+                            "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            else:
+                out.append({"index": i, "text": c.text, "logprobs": lp,
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        completion = sum(len(c.token_ids) for c in choices)
+        return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
+                "created": created, "model": self.model_name, "choices": out,
+                "usage": _usage(num_prompt, completion)}
+
+    async def _stream(self, kind: str, rid: str, created: int, n: int, num_prompt: int,
+                      first: tuple[int, TokenDelta], rest: AsyncIterator[tuple[int, TokenDelta]],
+                      include_usage: bool, with_logprobs: bool) -> AsyncIterator[str]:
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        base = {"id": rid, "object": obj, "created": created, "model": self.model_name}
+        extra = {"usage": None} if include_usage else {}
+        completion_tokens = 0
+
+        def chunk(choices: list[dict[str, Any]]) -> str:
+            return f"data: {json.dumps({**base, 'choices': choices, **extra}, ensure_ascii=False)}\n\n"
+
+        try:
+            if kind == "chat":
+                yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None} for j in range(n)])
+            item: tuple[int, TokenDelta] | None = first
+            while item is not None:
+                j, d = item
+                completion_tokens += len(d.token_ids)
+                lp = self._logprobs(kind, d.logprobs or []) if with_logprobs else None
+                body = ({"delta": {"content": d.text} if d.text else {}} if kind == "chat" else {"text": d.text})
+                finish = d.finish_reason
+                if d.text or d.token_ids or finish:
+                    yield chunk([{"index": j, **body, "logprobs": lp, "finish_reason": finish,
+                                  **({"stop_reason": d.stop_reason} if finish else {})}])
+                item = await rest.__anext__()
+        except StopAsyncIteration:
+            pass
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # after the first byte an error can only be a chunk
+            err = exc if isinstance(exc, APIError) else APIError(500, f"generation failed: {type(exc).__name__}",
+                                                                 type_="internal_error")
+            yield f"data: {json.dumps(err.body())}\n\n"
+            yield "data: [DONE]\n\n"
+            return
+        finally:
+            await rest.aclose()
+        if include_usage:
+            yield f"data: {json.dumps({**base, 'choices': [], 'usage': _usage(num_prompt, completion_tokens)})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    def _logprobs(self, kind: str, entries: list[TokenLogprobs]) -> dict[str, Any]:
+        tok = self.tokenizer.hf
+
+        def piece(token_id: int) -> str:
+            return tok.decode([token_id])
+
+        if kind == "chat":
+            return {"content": [{"token": piece(e.sampled.token_id), "logprob": e.sampled.logprob,
+                                 "bytes": list(piece(e.sampled.token_id).encode()),
+                                 "top_logprobs": [{"token": piece(t.token_id), "logprob": t.logprob,
+                                                   "bytes": list(piece(t.token_id).encode())} for t in e.top]}
+                                for e in entries]}
+        return {"tokens": [piece(e.sampled.token_id) for e in entries],
+                "token_logprobs": [e.sampled.logprob for e in entries],
+                "top_logprobs": [{piece(t.token_id): t.logprob for t in e.top} for e in entries],
+                "text_offset": []}
+
+
+def _parse(model: Any, body: Any) -> Any:
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        message, param = validation_message(exc)
+        raise APIError(400, message, param=param) from None
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def _merge(streams: list[AsyncIterator[list[TokenDelta]]]) -> AsyncIterator[tuple[int, TokenDelta]]:
+    """Interleave n children's deltas as (choice index, delta); cancels them all when closed."""
+    if len(streams) == 1:
+        try:
+            async for deltas in streams[0]:
+                for d in deltas:
+                    yield 0, d
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(j: int, s: AsyncIterator[list[TokenDelta]]) -> None:
+        try:
+            async for deltas in s:
+                for d in deltas:
+                    await queue.put((j, d))
+            await queue.put(done)
+        except BaseException as exc:
+            await queue.put(exc)
+            raise
+
+    tasks = [asyncio.ensure_future(pump(j, s)) for j, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

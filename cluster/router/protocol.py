@@ -1,0 +1,152 @@
+"""OpenAI request schemas (what clients may send) and their mapping to `SamplingParams`.
+
+Unknown fields are ignored, as OpenAI and vLLM do; fields that only Tandem's internals
+set (KV-transfer parameters and the like) are therefore never read from a client.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+
+from cluster.sampling_params import MAX_LOGPROBS, SamplingParams
+
+MAX_N = 16
+
+
+class APIError(Exception):
+    """An error the client caused or must see, with its HTTP status and OpenAI error type."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code if self.code is not None else self.status}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=False)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class StreamOptions(_Strict):
+    include_usage: StrictBool = False
+
+
+class _Sampling(_Strict):
+    model: str
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    stop: Union[str, list[str], None] = None
+    seed: StrictInt | None = Field(None, ge=0, lt=2**63)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: StrictInt | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    ignore_eos: StrictBool = False
+    min_tokens: StrictInt = Field(0, ge=0)
+    stop_token_ids: list[StrictInt] | None = None
+    skip_special_tokens: StrictBool = True
+    user: str | None = None
+
+    @field_validator("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty")
+    @classmethod
+    def _finite(cls, v: float | None) -> float | None:
+        if v is not None and v != v:
+            raise ValueError("must be a finite number")
+        return v
+
+    def check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        try:
+            return SamplingParams(
+                n=1,
+                temperature=1.0 if self.temperature is None else float(self.temperature),
+                top_p=1.0 if self.top_p is None else float(self.top_p),
+                top_k=0 if self.top_k is None else self.top_k,
+                min_p=self.min_p or 0.0,
+                seed=self.seed,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if self.repetition_penalty is None else float(self.repetition_penalty),
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                ignore_eos=self.ignore_eos,
+                stop=tuple([self.stop] if isinstance(self.stop, str) else (self.stop or [])),
+                stop_token_ids=tuple(self.stop_token_ids or ()),
+                logprobs=logprobs,
+                skip_special_tokens=self.skip_special_tokens,
+            )
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[StrictInt]]
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: StrictBool = False
+
+    def requested_max_tokens(self) -> int | None:
+        return 16 if self.max_tokens is None else self.max_tokens  # OpenAI's completions default
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+def validation_message(exc: Any) -> tuple[str, str | None]:
+    """A pydantic ValidationError as (message, param) without echoing the client's input."""
+    errs = exc.errors(include_input=False, include_url=False)
+    first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
+    loc = ".".join(str(p) for p in first.get("loc", ()))
+    more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
+    return f"{loc or 'body'}: {first.get('msg', 'invalid')}{more}", (loc or None)
