@@ -29,7 +29,7 @@ import uuid
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,13 +38,13 @@ from cluster.kvtransfer.base import Expected, KVConnector, register
 from cluster.kvtransfer.errors import (KVFrameError, KVIntegrityError, KVLayoutMismatchError,
                                        KVPeerGoneError, KVTimeoutError, KVTransferError)
 from cluster.kvtransfer.mailbox import Mailbox
+from cluster.kvtransfer.rendezvous import KeyStore, TorchStore, control, current_actor
 from cluster.kvtransfer.wire import MAX_HEADER_BYTES, KVHeader, KVLayout, parse_header
 
 _TAG = 0
 _SEVER_TAG = 0x7FFF
 _IDLE = timedelta(days=1)  # a receive loop waiting for the next transfer
 _KINDS = (KVTransferError, KVFrameError, KVLayoutMismatchError, KVIntegrityError, KVTimeoutError, KVPeerGoneError)
-_STORE_METHODS = frozenset({"set", "get", "wait", "check", "add"})  # what gloo and nccl call
 
 
 class _Stale(Exception):
@@ -62,69 +62,6 @@ class _Link:
     peer: int  # the other rank
     store: Any = None  # kept alive with the group: nccl reads it again at its first op
     thread: threading.Thread | None = None
-
-
-class _KeyStore:
-    """One group's rendezvous keys, kept by its sender; waits are bounded by `max_wait_s`."""
-
-    def __init__(self, max_wait_s: float) -> None:
-        self._cond = threading.Condition()
-        self._data: dict[str, bytes] = {}
-        self._max_wait_s = max_wait_s
-
-    def call(self, method: str, *args: Any) -> Any:
-        if method not in _STORE_METHODS:
-            raise KVTransferError(f"no store method {method!r}")
-        with self._cond:
-            return getattr(self, f"_{method}")(*args)
-
-    def _await(self, keys: list[str], timeout_s: float) -> None:
-        if not self._cond.wait_for(lambda: all(k in self._data for k in keys), min(timeout_s, self._max_wait_s)):
-            raise KVTimeoutError(f"group rendezvous: keys {keys} not set within {timeout_s:.1f}s")
-
-    def _set(self, key: str, value: bytes) -> None:
-        self._data[key] = bytes(value)
-        self._cond.notify_all()
-
-    def _get(self, key: str, timeout_s: float) -> bytes:
-        self._await([key], timeout_s)
-        return self._data[key]
-
-    def _wait(self, keys: list[str], timeout_s: float) -> None:
-        self._await(keys, timeout_s)
-
-    def _check(self, keys: list[str]) -> bool:
-        return all(k in self._data for k in keys)
-
-    def _add(self, key: str, delta: int) -> int:
-        value = int(self._data.get(key, b"0")) + delta
-        self._set(key, str(value).encode())
-        return value
-
-
-
-class _Store(dist.Store):
-    """A torch Store over `call(method, *args)`: the sender's _KeyStore, directly or via Ray."""
-
-    def __init__(self, call: Callable[..., Any], timeout_s: float) -> None:
-        super().__init__()
-        self._call, self._timeout_s = call, timeout_s
-
-    def set(self, key: str, value: bytes) -> None:
-        self._call("set", key, bytes(value))
-
-    def get(self, key: str) -> bytes:
-        return self._call("get", key, self._timeout_s)
-
-    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else 0
-        self._call("wait", list(keys), min(seconds, self._timeout_s) if seconds > 0 else self._timeout_s)
-
-    def check(self, keys: list[str]) -> bool:
-        return self._call("check", list(keys))
-
-    def add(self, key: str, value: int) -> int:
-        return self._call("add", key, int(value))
 
 
 @register("collective")
@@ -148,12 +85,12 @@ class CollectiveConnector(KVConnector):
         self._closed = False
         self._links: dict[str, _Link] = {}  # sender side, by receiver connector id
         self._peer_locks: dict[str, threading.Lock] = {}
-        self._stores: dict[str, _KeyStore] = {}  # sender side, by group id
+        self._stores: dict[str, KeyStore] = {}  # sender side, by group id
         self._serving: dict[str, _Link] = {}  # receiver side, by group id
 
     # -- decode side -----------------------------------------------------------------
     def _receiver_address(self) -> dict[str, Any]:
-        return {"actor": _current_actor(), "connector_id": self._id}
+        return {"actor": current_actor(), "connector_id": self._id}
 
     def _fetch(self, expected: Expected, receipt: dict[str, Any], timeout_s: float) -> tuple[bytes, Any]:
         return self._mailbox.wait(expected.request_id, timeout_s)
@@ -183,9 +120,9 @@ class CollectiveConnector(KVConnector):
 
     def _serve(self, group: str, sender: Any) -> None:
         def call(method: str, *args: Any) -> Any:
-            return _control(sender, "store", {"group": group, "method": method, "args": list(args)},
+            return control(sender, "store", {"group": group, "method": method, "args": list(args)},
                             2 * self.timeout_s)
-        store = _Store(call, self.timeout_s)
+        store = TorchStore(call, self.timeout_s)
         try:
             link = _Link(group, self._new_group(store, rank=1), peer=0, store=store,
                          thread=threading.current_thread())
@@ -316,15 +253,15 @@ class CollectiveConnector(KVConnector):
         return _KINDS[code - 1](f"receiver refused the KV: {reason}")
 
     def _form(self, peer_id: str, receiver: dict[str, Any]) -> _Link:
-        actor, me = receiver.get("actor"), _current_actor()
+        actor, me = receiver.get("actor"), current_actor()
         if actor is None:
             raise KVTransferError("receiver_info carries no actor: not a collective receiver")
-        group, store = uuid.uuid4().hex, _KeyStore(self.timeout_s)
+        group, store = uuid.uuid4().hex, KeyStore(self.timeout_s)
         with self._state:
             self._stores[group] = store
         try:
-            _control(actor, "join", {"group": group, "receiver_id": peer_id, "sender": me}, self.timeout_s)
-            torch_store = _Store(store.call, self.timeout_s)
+            control(actor, "join", {"group": group, "receiver_id": peer_id, "sender": me}, self.timeout_s)
+            torch_store = TorchStore(store.call, self.timeout_s)
             link = _Link(group, self._new_group(torch_store, rank=0), peer=1, store=torch_store)
         except Exception as exc:
             with self._state:
@@ -408,30 +345,3 @@ def _transfer_error(exc: BaseException, what: str) -> KVTransferError:
         return exc
     text = f"{what} failed: {exc}"
     return KVTimeoutError(text) if "timed out" in str(exc).lower() else KVPeerGoneError(text)
-
-
-def _current_actor() -> Any:
-    import ray
-
-    if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
-        return ray.get_runtime_context().current_actor
-    raise KVTransferError("the collective connector must live inside a Ray actor "
-                          "(groups rendezvous through the hosting actor's kv_control)")
-
-
-def _control(actor: Any, op: str, args: dict[str, Any], timeout_s: float) -> Any:
-    """One `kv_control` call on a peer's hosting actor; failures become typed errors."""
-    import ray
-    from ray import exceptions as rex
-
-    try:
-        return ray.get(actor.kv_control.remote(op, args), timeout=timeout_s)
-    except rex.GetTimeoutError:
-        raise KVTimeoutError(f"peer actor did not answer {op!r} within {timeout_s:.1f}s") from None
-    except rex.RayActorError as exc:
-        raise KVPeerGoneError(f"peer actor is gone ({op!r}): {type(exc).__name__}") from None
-    except rex.RayTaskError as exc:
-        cause = exc.cause
-        if isinstance(cause, KVTransferError):
-            raise type(cause)(str(cause)) from None
-        raise KVTransferError(f"peer actor failed {op!r}: {cause!r}") from None

@@ -1,0 +1,106 @@
+"""Rendezvous for the collective connector without a TCPStore: a group's keys live in the
+sending connector (`KeyStore`); the receiving side reaches them through Ray actor calls on the
+sender's hosting actor (`control`), wrapped as a `torch.distributed.Store` (`TorchStore`).
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from cluster.kvtransfer.errors import KVPeerGoneError, KVTimeoutError, KVTransferError
+
+STORE_METHODS = frozenset({"set", "get", "wait", "check", "add"})  # what gloo and nccl call
+
+
+class KeyStore:
+    """One group's rendezvous keys, kept by its sender; waits are bounded by `max_wait_s`."""
+
+    def __init__(self, max_wait_s: float) -> None:
+        self._cond = threading.Condition()
+        self._data: dict[str, bytes] = {}
+        self._max_wait_s = max_wait_s
+
+    def call(self, method: str, *args: Any) -> Any:
+        if method not in STORE_METHODS:
+            raise KVTransferError(f"no store method {method!r}")
+        with self._cond:
+            return getattr(self, f"_{method}")(*args)
+
+    def _await(self, keys: list[str], timeout_s: float) -> None:
+        if not self._cond.wait_for(lambda: all(k in self._data for k in keys), min(timeout_s, self._max_wait_s)):
+            raise KVTimeoutError(f"group rendezvous: keys {keys} not set within {timeout_s:.1f}s")
+
+    def _set(self, key: str, value: bytes) -> None:
+        self._data[key] = bytes(value)
+        self._cond.notify_all()
+
+    def _get(self, key: str, timeout_s: float) -> bytes:
+        self._await([key], timeout_s)
+        return self._data[key]
+
+    def _wait(self, keys: list[str], timeout_s: float) -> None:
+        self._await(keys, timeout_s)
+
+    def _check(self, keys: list[str]) -> bool:
+        return all(k in self._data for k in keys)
+
+    def _add(self, key: str, delta: int) -> int:
+        value = int(self._data.get(key, b"0")) + delta
+        self._set(key, str(value).encode())
+        return value
+
+
+
+class TorchStore(dist.Store):
+    """A torch Store over `call(method, *args)`: the sender's KeyStore, directly or via Ray."""
+
+    def __init__(self, call: Callable[..., Any], timeout_s: float) -> None:
+        super().__init__()
+        self._call, self._timeout_s = call, timeout_s
+
+    def set(self, key: str, value: bytes) -> None:
+        self._call("set", key, bytes(value))
+
+    def get(self, key: str) -> bytes:
+        return self._call("get", key, self._timeout_s)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else 0
+        self._call("wait", list(keys), min(seconds, self._timeout_s) if seconds > 0 else self._timeout_s)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._call("check", list(keys))
+
+    def add(self, key: str, value: int) -> int:
+        return self._call("add", key, int(value))
+
+
+def current_actor() -> Any:
+    import ray
+
+    if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+        return ray.get_runtime_context().current_actor
+    raise KVTransferError("the collective connector must live inside a Ray actor "
+                          "(groups rendezvous through the hosting actor's kv_control)")
+
+
+def control(actor: Any, op: str, args: dict[str, Any], timeout_s: float) -> Any:
+    """One `kv_control` call on a peer's hosting actor; failures become typed errors."""
+    import ray
+    from ray import exceptions as rex
+
+    try:
+        return ray.get(actor.kv_control.remote(op, args), timeout=timeout_s)
+    except rex.GetTimeoutError:
+        raise KVTimeoutError(f"peer actor did not answer {op!r} within {timeout_s:.1f}s") from None
+    except rex.RayActorError as exc:
+        raise KVPeerGoneError(f"peer actor is gone ({op!r}): {type(exc).__name__}") from None
+    except rex.RayTaskError as exc:
+        cause = exc.cause
+        if isinstance(cause, KVTransferError):
+            raise type(cause)(str(cause)) from None
+        raise KVTransferError(f"peer actor failed {op!r}: {cause!r}") from None

@@ -1,0 +1,50 @@
+"""What a pool replica (prefill or decode) does besides its own work: one torch thread, its
+identity, routing stats for the pool's request router, and posting its counters to the app's
+stats board (read by /debug/stats). The Serve deployments subclass this."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+from ray import serve
+
+from cluster.router.stats_board import post_forever
+
+
+class PoolReplica:
+    pool: str  # "prefill" | "decode"
+
+    def __init__(self, server: Any) -> None:
+        self.server = server  # PrefillServer | DecodeServer: stats(), routing_stats(), close()
+        ctx = serve.get_replica_context()
+        self.replica_id = ctx.replica_id.unique_id
+        self.app_name = ctx.app_name
+        self._poster: asyncio.Task | None = None
+
+    async def stats(self) -> dict[str, Any]:
+        return {"pool": self.pool, "replica": self.replica_id, **await self.server.stats()}
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        return self.server.routing_stats()
+
+    async def check_health(self) -> None:
+        self._ensure_posting()
+
+    def _ensure_posting(self) -> None:
+        if self._poster is None or self._poster.done():
+            self._poster = asyncio.get_running_loop().create_task(
+                post_forever(self.app_name, self.replica_id, self.stats))
+
+    def __del__(self) -> None:
+        server = getattr(self, "server", None)
+        if server is not None:
+            server.close()
+
+
+def one_torch_thread() -> None:
+    """One torch thread per replica: replicas are sized by num_cpus, not by torch's guess."""
+    import torch
+
+    torch.set_num_threads(max(1, int(float(os.environ.get("TANDEM_TORCH_THREADS", "1")))))
