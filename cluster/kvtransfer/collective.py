@@ -29,7 +29,7 @@ import uuid
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -295,16 +295,18 @@ class CollectiveConnector(KVConnector):
         return dist.ProcessGroupGloo(store, rank, 2, opts)
 
     def _send(self, link: _Link, tensor: torch.Tensor) -> None:
-        self._wait(link.pg.send([tensor.to(self._device)], link.peer, _TAG))
+        self._run(lambda: link.pg.send([tensor.to(self._device)], link.peer, _TAG))
 
     def _recv(self, link: _Link, n: int, dtype: torch.dtype, timeout: timedelta | None = None) -> torch.Tensor:
         tensor = torch.empty(n, dtype=dtype, device=self._device)
-        self._wait(link.pg.recv([tensor], link.peer, _TAG), timeout)
+        self._run(lambda: link.pg.recv([tensor], link.peer, _TAG), timeout)
         return tensor
 
-    def _wait(self, work: Any, timeout: timedelta | None = None) -> None:
+    def _run(self, start: Callable[[], Any], timeout: timedelta | None = None) -> None:
+        """Start one op and wait for it; a failure while posting it (gloo raises there when the
+        peer's connection is already closed) or while waiting ends as a typed error."""
         try:
-            work.wait(timeout or timedelta(seconds=self.timeout_s))
+            start().wait(timeout or timedelta(seconds=self.timeout_s))
         except Exception as exc:
             raise _transfer_error(exc, "collective op") from None
 
