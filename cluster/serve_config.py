@@ -88,3 +88,16 @@ def _models_in(annotation: Any) -> list[type[BaseModel]]:
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return [annotation]
     return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
+
+
+def apply_serve_config(config: dict[str, Any]) -> None:
+    """`serve deploy` from inside a driver that already runs Serve (tests, benches): validate the
+    config as above, then hand the Serve controller every application in it, deployment options
+    from YAML included. Returns at once; the controller converges in the background. The file's
+    http_options / proxy_location are left out: the running Serve keeps its own."""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    validate_serve_config(config)
+    apps = {"applications": config["applications"]}
+    _get_global_client().deploy_apps(ServeDeploySchema.model_validate(apps))

@@ -4,60 +4,15 @@
 from __future__ import annotations
 
 import concurrent.futures
-import json
-import socket
-import time
-import urllib.request
 
 import pytest
-import yaml
+
+from serving import args_of, client, deploy, replica_stats
 
 pytestmark = pytest.mark.slow
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPTS = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea."]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _args(config_file: str) -> dict:
-    return yaml.safe_load(open(f"configs/{config_file}"))["applications"][0]["args"]
-
-
-@pytest.fixture(scope="module")
-def serve_url(ray_local, default_model_path):
-    from ray import serve
-
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-
-
-def deploy(args: dict):
-    """(Re)deploy the Tandem app with these args; returns when every replica is healthy."""
-    from ray import serve
-
-    from cluster.router.app import build_app
-
-    serve.run(build_app(args), name="tandem", route_prefix="/")
-
-
-def client(url: str):
-    from openai import OpenAI
-
-    return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def replica_stats(url: str, settle_s: float = 3.0) -> list[dict]:
-    """Every replica's counters, after letting their periodic posts catch up."""
-    time.sleep(settle_s)
-    with urllib.request.urlopen(f"{url}/debug/stats", timeout=10) as r:
-        return json.load(r)["replicas"]
 
 
 def greedy(c, model: str) -> list[str]:
@@ -66,7 +21,7 @@ def greedy(c, model: str) -> list[str]:
 
 
 def test_disaggregated_app_end_to_end(serve_url):
-    deploy(_args("serve.yaml"))
+    deploy(args_of("serve.yaml"))
     c = client(serve_url)
     model = c.models.list().data[0].id
     assert model == "SmolLM2-135M-Instruct"
@@ -132,10 +87,13 @@ def test_32_concurrent_streams_then_no_blocks_in_use(serve_url):
 
 def test_greedy_identical_colocated_and_every_connector(serve_url):
     outputs = {}
-    for name in ("colocated.yaml", "serve-tcp.yaml", "serve-shared-store.yaml"):
-        deploy(_args(name))
+    landed = {}
+    for name in ("colocated.yaml", "serve-tcp.yaml", "serve-shared-store.yaml", "serve-collective.yaml"):
+        deploy(args_of(name))
         c = client(serve_url)
         outputs[name] = greedy(c, c.models.list().data[0].id)
-    assert outputs["serve-tcp.yaml"] == outputs["colocated.yaml"]
-    assert outputs["serve-shared-store.yaml"] == outputs["colocated.yaml"]
+        landed[name] = sum(s.get("kv_landed", 0) for s in replica_stats(serve_url, settle_s=1.5))
+    for name in ("serve-tcp.yaml", "serve-shared-store.yaml", "serve-collective.yaml"):
+        assert outputs[name] == outputs["colocated.yaml"], name
+        assert landed[name] == len(PROMPTS), name  # each prompt's KV crossed this connector
     assert "Paris" in outputs["colocated.yaml"][0]

@@ -1,0 +1,119 @@
+"""Must-show 4 of the cluster issue: under a steady request stream, redeploying the Serve config
+with 1P1D → 2P1D → 1P2D changes the pools (Serve's replica counts, and every new replica serves)
+and no request fails. Deployed the way `serve deploy configs/serve.yaml` deploys: the whole
+config, pool sizes and actor options from YAML, handed to the Serve controller."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from serving import APP, apply_config, client, load_config, replica_stats, running_replicas, wait_for
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["Name a fruit.", "What is 2 + 2?", "Say hello in French.", "Name a planet.", "What color is the sky?"]
+
+
+def sized(prefill: int, decode: int) -> dict:
+    """configs/serve.yaml with these pool sizes, each pool replica on half a core (3 fit on 2 CPUs)."""
+    config = load_config("serve.yaml")
+    app = config["applications"][0]
+    app["args"]["engine"]["cpu_kv_cache_bytes"] = 128 << 20
+    for d in app["deployments"]:
+        if d["name"] in ("PrefillPool", "DecodePool"):
+            d["num_replicas"] = prefill if d["name"] == "PrefillPool" else decode
+            d["ray_actor_options"] = {"num_cpus": 0.5}
+    return config
+
+
+class SteadyStream:
+    """`workers` clients, each sending one streamed chat completion after another until stopped;
+    every outcome is kept: (finish time, finish_reason or the exception's text, content)."""
+
+    def __init__(self, url: str, model: str, workers: int = 2) -> None:
+        self.client, self.model = client(url), model
+        self.outcomes: list[tuple[float, str, str]] = []
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(workers)]
+
+    def __enter__(self) -> "SteadyStream":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=120)
+
+    def completed_since(self, t0: float) -> int:
+        return sum(1 for t, finish, _ in list(self.outcomes) if t >= t0 and finish in ("stop", "length"))
+
+    def _loop(self, worker: int) -> None:
+        i = worker
+        while not self._stop.is_set():
+            prompt = PROMPTS[i % len(PROMPTS)]
+            i += 2
+            try:
+                parts, finish = [], None
+                for chunk in self.client.chat.completions.create(
+                        model=self.model, messages=[{"role": "user", "content": prompt}], temperature=0,
+                        max_tokens=12, stream=True):
+                    if chunk.choices:
+                        parts.append(chunk.choices[0].delta.content or "")
+                        finish = chunk.choices[0].finish_reason or finish
+                outcome = (time.monotonic(), str(finish), "".join(parts))
+            except Exception as exc:  # a failed request: exactly what this test must not see
+                outcome = (time.monotonic(), f"{type(exc).__name__}: {exc}", "")
+            self.outcomes.append(outcome)
+            if outcome[1] not in ("stop", "length") or not outcome[2]:
+                self.failures.append(f"{prompt!r}: {outcome[1]} {outcome[2]!r}")
+
+
+def pools_are(prefill: int, decode: int):
+    return lambda: running_replicas() == {"Router": 1, "PrefillPool": prefill, "DecodePool": decode}
+
+
+def per_replica(url: str, pool: str, counter: str) -> dict[str, int]:
+    return {s["replica"]: s.get(counter, 0) for s in replica_stats(url, settle_s=1.0) if s["pool"] == pool}
+
+
+def test_redeploying_pool_sizes_under_load_fails_no_request(serve_url):
+    from ray import serve
+
+    serve.delete(APP)  # the app earlier modules deployed with serve.run: this one is config-managed
+    apply_config(sized(1, 1))
+    wait_for(pools_are(1, 1), 240, "1 prefill + 1 decode replica")
+    model = client(serve_url).models.list().data[0].id
+
+    with SteadyStream(serve_url, model) as load:
+        wait_for(lambda: load.completed_since(0) >= 3, 120, "the first requests")
+
+        t_2p1d = time.monotonic()
+        apply_config(sized(2, 1))
+        wait_for(pools_are(2, 1), 240, "2 prefill replicas")
+        # the new prefill replica takes its share (routing by fewest queued prompt tokens)
+        wait_for(lambda: len([n for n in per_replica(serve_url, "prefill", "kv_sent").values() if n > 0]) == 2,
+                 120, "both prefill replicas to push KV")
+        prefill_replicas = set(per_replica(serve_url, "prefill", "kv_sent"))
+
+        t_1p2d = time.monotonic()
+        apply_config(sized(1, 2))
+        wait_for(pools_are(1, 2), 240, "1 prefill + 2 decode replicas")
+        wait_for(lambda: len([n for n in per_replica(serve_url, "decode", "kv_landed").values() if n > 0]) == 2,
+                 120, "both decode replicas to admit transferred KV")
+        t_end = time.monotonic()
+        wait_for(lambda: load.completed_since(t_end) >= 3, 120, "requests after the last change")
+
+    assert not load.failures, load.failures
+    assert load.completed_since(t_2p1d) > load.completed_since(t_1p2d) > load.completed_since(t_end) >= 3
+    assert len(prefill_replicas) == 2
+    stats = replica_stats(serve_url, settle_s=6.0)  # past the board's staleness window: only live replicas
+    assert sorted(s["pool"] for s in stats) == ["decode", "decode", "prefill"]
+    for s in stats:
+        assert s["blocks_in_use"] == 0 and s["num_running"] == 0 and s["num_waiting"] == 0, s
+    serve.delete(APP)
