@@ -26,6 +26,14 @@ class PoolReplica:
     async def stats(self) -> dict[str, Any]:
         return {"pool": self.pool, "replica": self.replica_id, **await self.server.stats()}
 
+    async def kv_control(self, op: str, args: dict[str, Any], replica_id: str = "") -> Any:
+        """A peer connector's control call (the collective connector's group rendezvous);
+        `replica_id` pins it to this replica. Runs off the event loop: store waits block."""
+        connector = getattr(self.server, "connector", None)
+        if connector is None:
+            raise RuntimeError("this replica has no KV connector (colocated mode)")
+        return await asyncio.to_thread(connector.on_control, op, args)
+
     def record_routing_stats(self) -> dict[str, Any]:
         return self.server.routing_stats()
 

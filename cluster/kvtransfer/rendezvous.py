@@ -1,11 +1,13 @@
 """Rendezvous for the collective connector without a TCPStore: a group's keys live in the
 sending connector (`KeyStore`); the receiving side reaches them through Ray actor calls on the
 sender's hosting actor (`control`), wrapped as a `torch.distributed.Store` (`TorchStore`).
+On Ray Serve the hosting actor is a pool replica, reached by deployment handle + replica id.
 """
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -79,28 +81,52 @@ class TorchStore(dist.Store):
         return self._call("add", key, int(value))
 
 
+@dataclass(frozen=True)
+class ServeReplica:
+    """A peer that is a Ray Serve replica: reached through its deployment's handle, pinned to
+    the replica by the `replica_id` keyword (the pools' request routers honour it)."""
+    app: str
+    deployment: str
+    replica_id: str
+
+
 def current_actor() -> Any:
+    """How peers reach this process's `kv_control`: its Serve replica, or its Ray actor."""
     import ray
 
     if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
-        return ray.get_runtime_context().current_actor
+        try:
+            from ray import serve
+
+            ctx = serve.get_replica_context()
+            return ServeReplica(ctx.app_name, ctx.deployment, ctx.replica_id.unique_id)
+        except Exception:  # not a Serve replica: a plain actor with a kv_control method
+            return ray.get_runtime_context().current_actor
     raise KVTransferError("the collective connector must live inside a Ray actor "
                           "(groups rendezvous through the hosting actor's kv_control)")
 
 
 def control(actor: Any, op: str, args: dict[str, Any], timeout_s: float) -> Any:
-    """One `kv_control` call on a peer's hosting actor; failures become typed errors."""
+    """One `kv_control` call on a peer's hosting actor or replica; failures become typed errors.
+    Called from plain threads (never from an event loop: it blocks)."""
     import ray
     from ray import exceptions as rex
 
     try:
+        if isinstance(actor, ServeReplica):
+            from ray import serve
+
+            handle = serve.get_deployment_handle(actor.deployment, actor.app)
+            return handle.kv_control.remote(op, args, replica_id=actor.replica_id).result(timeout_s=timeout_s)
         return ray.get(actor.kv_control.remote(op, args), timeout=timeout_s)
-    except rex.GetTimeoutError:
-        raise KVTimeoutError(f"peer actor did not answer {op!r} within {timeout_s:.1f}s") from None
-    except rex.RayActorError as exc:
-        raise KVPeerGoneError(f"peer actor is gone ({op!r}): {type(exc).__name__}") from None
+    except (rex.GetTimeoutError, TimeoutError):
+        raise KVTimeoutError(f"peer did not answer {op!r} within {timeout_s:.1f}s") from None
+    except (rex.RayActorError, rex.ActorUnavailableError) as exc:
+        raise KVPeerGoneError(f"peer is gone ({op!r}): {type(exc).__name__}") from None
     except rex.RayTaskError as exc:
         cause = exc.cause
         if isinstance(cause, KVTransferError):
             raise type(cause)(str(cause)) from None
-        raise KVTransferError(f"peer actor failed {op!r}: {cause!r}") from None
+        raise KVTransferError(f"peer failed {op!r}: {cause!r}") from None
+    except KVTransferError as exc:
+        raise type(exc)(str(exc)) from None

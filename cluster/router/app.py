@@ -25,6 +25,7 @@ from typing import Any, AsyncIterator
 import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
@@ -44,7 +45,45 @@ from cluster.router.request_routers import ROUTING_STATS_PERIOD_S
 from cluster.router.stats_board import board
 from cluster.sampling_params import SamplingParams
 
+MAX_HEADERS = 64            # request header count; more is refused with 431
+MAX_HEADER_BYTES = 8 << 10  # all header names and values together
+
 api = FastAPI(title="Tandem", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+@api.exception_handler(APIError)
+async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    return error_response(exc)
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """FastAPI's own 404 (no such route) and 405 (wrong method), in OpenAI's shape."""
+    message = {404: "no such route", 405: "method not allowed on this route"}.get(exc.status_code, "bad request")
+    return error_response(APIError(exc.status_code, message))
+
+
+class HeaderLimits:
+    """Plain ASGI (streams pass through untouched): too many or too large headers → 431."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            headers = scope.get("headers") or []
+            if len(headers) > MAX_HEADERS or sum(len(k) + len(v) for k, v in headers) > MAX_HEADER_BYTES:
+                err = APIError(431, f"request headers exceed {MAX_HEADERS} fields or {MAX_HEADER_BYTES} bytes")
+                await error_response(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+api.add_middleware(HeaderLimits)
 
 
 @serve.deployment(name="Router", max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
@@ -110,10 +149,9 @@ class RouterDeployment:
             body = await self._body(request)
             result = await handler(body)
         except APIError as exc:
-            return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+            return error_response(exc)
         except Exception as exc:
-            err = _as_api_error(exc)
-            return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+            return error_response(_as_api_error(exc))
         if isinstance(result, dict):
             return JSONResponse(result)
         return StreamingResponse(result, media_type="text/event-stream",
@@ -165,9 +203,6 @@ def _as_api_error(exc: BaseException) -> APIError:
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     """Serve's app builder: validates `args` (unknown keys are errors) and wires the pools."""
     config = AppConfig.from_args(args)
-    if config.mode == "disaggregated" and config.kv_transfer.connector == "collective":
-        raise ValueError("the collective connector forms its groups through actor-to-actor calls that "
-                         "Serve replicas do not expose yet; serve with 'tcp' or 'shared_store'")
     raw = dict(args or {})
     stats_period = {"request_routing_stats_period_s": ROUTING_STATS_PERIOD_S}
     decode_router = RequestRouterConfig(request_router_class="cluster.router.request_routers:DecodeRouter",

@@ -4,8 +4,9 @@ Replicas report `record_routing_stats()` every `ROUTING_STATS_PERIOD_S`; between
 router's own queue-length cache (requests it sent and that have not finished) breaks ties.
 
   DecodeRouter   most free KV blocks, then fewest running + waiting requests
-  PrefillRouter  fewest queued prompt tokens; a call carrying `replica_id=` (acks) goes to
-                 that replica, or anywhere if it is gone (the ack is then counted as late)
+  PrefillRouter  fewest queued prompt tokens
+In both, a call carrying `replica_id=` (acks, KV control calls) goes to that replica, or
+anywhere if it is gone (an ack is then counted as late; a control call is refused as stale).
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ class _Ranked(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        want = pending_request.kwargs.get("replica_id") if pending_request is not None else None
+        if want:  # acks and KV control calls go to the replica they name
+            pinned = [r for r in candidate_replicas if r.replica_id.unique_id == want]
+            if pinned:
+                return [pinned]
         return [[r] for r in sorted(candidate_replicas, key=self._key)]
 
 
@@ -40,12 +46,3 @@ class PrefillRouter(_Ranked):
     def _key(self, replica: RunningReplica) -> tuple[Any, ...]:
         s = replica.routing_stats or {}
         return (s.get("queued_prompt_tokens", 0), self._queued(replica))
-
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        want = pending_request.kwargs.get("replica_id") if pending_request is not None else None
-        if want:
-            pinned = [r for r in candidate_replicas if r.replica_id.unique_id == want]
-            if pinned:
-                return [pinned]
-        return await super().choose_replicas(candidate_replicas, pending_request)
