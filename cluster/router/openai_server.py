@@ -80,8 +80,8 @@ class OpenAIServer:
     # -- shared ----------------------------------------------------------------------
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
-            raise APIError(404, f"the model `{model[:200]}` does not exist; this server serves "
-                                f"`{self.model_name}`", param="model", code="model_not_found")
+            raise APIError(404, f"the requested model does not exist; this server serves `{self.model_name}`",
+                           param="model", code="model_not_found")
 
     def _limits(self, prompt_ids: list[int], requested: int | None) -> int:
         if not prompt_ids:
@@ -102,8 +102,7 @@ class OpenAIServer:
         params = req.sampling_params(max_tokens, req.requested_logprobs())
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         rid = f"{prefix}-{uuid.uuid4().hex}"
-        children = [(f"{rid}-{j}", dataclasses.replace(params, seed=None if params.seed is None else params.seed + j))
-                    for j in range(req.n)]
+        children = [(f"{rid}-{j}", dataclasses.replace(params, seed=_child_seed(params.seed, j))) for j in range(req.n)]
         created = int(self.clock())
         if not req.stream:
             choices = await asyncio.gather(*(self._collect(cid, prompt_ids, p) for cid, p in children))
@@ -203,6 +202,11 @@ class OpenAIServer:
                 "token_logprobs": [e.sampled.logprob for e in entries],
                 "top_logprobs": [{piece(t.token_id): t.logprob for t in e.top} for e in entries],
                 "text_offset": []}
+
+
+def _child_seed(seed: int | None, j: int) -> int | None:
+    """Choice j of n samples with seed + j (wrapping inside the seed range)."""
+    return None if seed is None else (seed + j) % 2**63
 
 
 def _parse(model: Any, body: Any) -> Any:

@@ -37,15 +37,32 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=False)
 
 
+def clean_text(v: Any) -> Any:
+    """Text the tokenizer can take: valid Unicode (no lone surrogates, which JSON's \\ud800
+    escapes can smuggle in) and no NUL characters."""
+    if isinstance(v, str):
+        if "\x00" in v:
+            raise ValueError("must not contain NUL characters")
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("must be valid Unicode (it contains a lone surrogate)") from None
+    return v
+
+
 class TextPart(_Strict):
     type: Literal["text"]
     text: str
+
+    _clean = field_validator("text")(clean_text)
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
+
+    _clean = field_validator("content")(clean_text)
 
     def text(self) -> str:
         if self.content is None:
@@ -86,6 +103,13 @@ class _Sampling(_Strict):
     def _finite(cls, v: float | None) -> float | None:
         if v is not None and v != v:
             raise ValueError("must be a finite number")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _clean_stop(cls, v: Any) -> Any:
+        for s in [v] if isinstance(v, str) else (v or []):
+            clean_text(s)
         return v
 
     def check_stream_options(self) -> None:
@@ -135,6 +159,8 @@ class CompletionRequest(_Sampling):
     prompt: Union[str, list[StrictInt]]
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool = False
+
+    _clean = field_validator("prompt")(clean_text)
 
     def requested_max_tokens(self) -> int | None:
         return 16 if self.max_tokens is None else self.max_tokens  # OpenAI's completions default

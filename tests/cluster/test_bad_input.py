@@ -1,0 +1,185 @@
+"""Bad input over real HTTP against the Serve app: every case gets a 4xx whose body is an
+OpenAI error object that does not echo what was sent, never a 500, and the server stays
+healthy (checked after each case, and by a normal request at the end). Plus the API key.
+
+The app: colocated, a tiny random Llama (its tokenizer is the default model's), 1 decode
+replica; bodies limited to 64 KiB so the 413 case stays small."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import pickle
+
+import pytest
+
+from serving import deploy, replica_stats
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny"
+MARK = "ZQXMARK"  # put into the bad input where it fits; an error message must never contain it
+BODY_LIMIT = 64 << 10
+
+
+def app_args(model_path: str, **extra) -> dict:
+    return {"mode": "colocated", "model": model_path, "served_model_name": MODEL, "max_request_bytes": BODY_LIMIT,
+            "engine": {"num_blocks": 128, "max_num_seqs": 8}, **extra}
+
+
+@pytest.fixture(scope="module")
+def url(serve_url, tiny_model_paths):
+    deploy(app_args(str(tiny_model_paths["llama"])))
+    return serve_url
+
+
+def request(url: str, method: str, path: str, body: bytes | None = None,
+            headers: dict[str, str] | list[tuple[str, str]] | None = None) -> tuple[int, dict[str, str], bytes]:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        conn.putrequest(method, path)
+        items = headers.items() if isinstance(headers, dict) else (headers or [])
+        names = {k.lower() for k, _ in items}
+        for k, v in items:
+            conn.putheader(k, v)
+        if "content-type" not in names and body is not None:
+            conn.putheader("Content-Type", "application/json")
+        conn.putheader("Content-Length", str(len(body or b"")))
+        conn.endheaders(body)
+        r = conn.getresponse()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+    finally:
+        conn.close()
+
+
+def chat(**fields) -> bytes:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": f"Hello {MARK}"}], "max_tokens": 4, **fields}
+    return json.dumps(body).encode()
+
+
+def completion(**fields) -> bytes:
+    return json.dumps({"model": MODEL, "prompt": f"Hello {MARK}", "max_tokens": 4, **fields}).encode()
+
+
+LONG_PROMPT = " ".join(f"w{i}" for i in range(1200))  # > 1024 tokens, the tiny model's max_model_len
+CHAT, COMP = "/v1/chat/completions", "/v1/completions"
+
+# id → (method, path, body, headers, expected status, expected error param or ... for "any")
+CASES = {
+    "malformed_json": ("POST", CHAT, b'{"model": "tiny", "messages": [', None, 400, None),
+    "body_is_a_json_array": ("POST", CHAT, b"[1, 2, 3]", None, 400, None),
+    "body_is_json_null": ("POST", CHAT, b"null", None, 400, None),
+    "empty_body": ("POST", CHAT, b"", None, 400, None),
+    "temperature_wrong_type": ("POST", CHAT, chat(temperature=MARK), None, 400, "temperature"),
+    "messages_not_a_list": ("POST", CHAT, json.dumps({"model": MODEL, "messages": MARK}).encode(), None, 400,
+                            "messages"),
+    "empty_messages": ("POST", CHAT, chat(messages=[]), None, 400, "messages"),
+    "unknown_role": ("POST", CHAT, chat(messages=[{"role": MARK, "content": "hi"}]), None, 400, "messages.0.role"),
+    "message_without_role": ("POST", CHAT, chat(messages=[{"content": MARK}]), None, 400, "messages.0.role"),
+    "content_part_of_unknown_type": ("POST", CHAT, chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": f"http://{MARK}"}}]}]), None, 400, ...),
+    "unknown_model": ("POST", CHAT, chat(model=MARK), None, 404, "model"),
+    "prompt_longer_than_max_model_len": ("POST", CHAT, chat(messages=[{"role": "user", "content": LONG_PROMPT}]),
+                                         None, 400, "messages"),
+    "max_tokens_zero": ("POST", CHAT, chat(max_tokens=0), None, 400, "max_tokens"),
+    "max_tokens_negative": ("POST", CHAT, chat(max_tokens=-5), None, 400, "max_tokens"),
+    "max_tokens_above_the_context": ("POST", CHAT, chat(max_tokens=10**12), None, 400, "max_tokens"),
+    "max_completion_tokens_zero": ("POST", CHAT, chat(max_completion_tokens=0), None, 400, "max_completion_tokens"),
+    "n_too_large": ("POST", CHAT, chat(n=1000), None, 400, "n"),
+    "n_zero": ("POST", CHAT, chat(n=0), None, 400, "n"),
+    "temperature_nan": ("POST", CHAT, chat(temperature=0.5).replace(b"0.5", b"NaN"), None, 400, "temperature"),
+    "temperature_negative": ("POST", CHAT, chat(temperature=-1), None, 400, "temperature"),
+    "temperature_huge": ("POST", CHAT, chat(temperature=1e308), None, 400, "temperature"),
+    "temperature_infinite": ("POST", CHAT, chat(temperature=0.5).replace(b"0.5", b"1e999"), None, 400, "temperature"),
+    "top_p_zero": ("POST", CHAT, chat(top_p=0), None, 400, "top_p"),
+    "top_p_above_one": ("POST", CHAT, chat(top_p=1.5), None, 400, "top_p"),
+    "top_k_below_minus_one": ("POST", CHAT, chat(top_k=-2), None, 400, "top_k"),
+    "top_k_fractional": ("POST", CHAT, chat(top_k=1.5), None, 400, "top_k"),
+    "top_logprobs_too_many": ("POST", CHAT, chat(logprobs=True, top_logprobs=99), None, 400, "top_logprobs"),
+    "top_logprobs_without_logprobs": ("POST", CHAT, chat(top_logprobs=2), None, 400, "top_logprobs"),
+    "completion_logprobs_too_many": ("POST", COMP, completion(logprobs=99), None, 400, "logprobs"),
+    "too_many_stop_strings": ("POST", CHAT, chat(stop=[f"{MARK}{i}" for i in range(17)]), None, 400, ...),
+    "stop_string_too_long": ("POST", CHAT, chat(stop=[MARK * 100]), None, 400, ...),
+    "stream_options_without_stream": ("POST", CHAT, chat(stream_options={"include_usage": True}), None, 400,
+                                      "stream_options"),
+    "stream_not_a_bool": ("POST", CHAT, chat(stream=MARK), None, 400, "stream"),
+    "seed_negative": ("POST", CHAT, chat(seed=-1), None, 400, "seed"),
+    "seed_too_large": ("POST", CHAT, chat(seed=2**64), None, 400, "seed"),
+    "min_tokens_above_max_tokens": ("POST", CHAT, chat(min_tokens=10, max_tokens=4), None, 400, ...),
+    "presence_penalty_out_of_range": ("POST", CHAT, chat(presence_penalty=5), None, 400, "presence_penalty"),
+    "repetition_penalty_zero": ("POST", CHAT, chat(repetition_penalty=0), None, 400, "repetition_penalty"),
+    "stop_token_ids_negative": ("POST", CHAT, chat(stop_token_ids=[-1]), None, 400, ...),
+    "completion_token_id_outside_vocab": ("POST", COMP, completion(prompt=[1, 10**9]), None, 400, "prompt"),
+    "completion_empty_prompt": ("POST", COMP, completion(prompt=""), None, 400, ...),
+    "completion_echo_unsupported": ("POST", COMP, completion(echo=True), None, 400, "echo"),
+    "body_over_the_size_limit": ("POST", CHAT, chat(user=MARK * (BODY_LIMIT // len(MARK))), None, 413, None),
+    "too_many_headers": ("POST", CHAT, chat(), [(f"X-Pad-{i}", MARK) for i in range(80)], 431, None),
+    "headers_too_large": ("POST", CHAT, chat(), {"X-Pad": MARK * 1500}, 431, None),
+    "deeply_nested_json": ("POST", CHAT, b'{"model": "tiny", "messages": ' + b"[" * 30_000 + b"]" * 30_000 + b"}",
+                           None, 400, None),
+    "nested_json_inside_a_field": ("POST", CHAT, chat(user=None).replace(b"null", b"[" * 500 + b"]" * 500), None,
+                                   400, "user"),
+    "invalid_utf8": ("POST", CHAT, chat().replace(MARK.encode(), b"\xff\xfe" + MARK.encode()), None, 400, None),
+    "lone_surrogate": ("POST", CHAT, chat().replace(MARK.encode(), b"\\ud800" + MARK.encode()), None, 400,
+                       "messages.0.content"),
+    "nul_character": ("POST", CHAT, chat().replace(MARK.encode(), b"\\u0000" + MARK.encode()), None, 400,
+                      "messages.0.content"),
+    "wrong_content_type": ("POST", CHAT, chat(), {"Content-Type": "text/plain"}, 415, None),
+    "pickle_as_json": ("POST", CHAT, pickle.dumps({"model": MODEL, "x": MARK}), None, 400, None),
+    "pickle_as_octet_stream": ("POST", CHAT, pickle.dumps({"model": MODEL}),
+                               {"Content-Type": "application/octet-stream"}, 415, None),
+    "get_on_a_post_route": ("GET", CHAT, None, None, 405, None),
+    "unknown_route": ("POST", f"/v1/{MARK}", chat(), None, 404, None),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_gets_an_openai_error_and_the_server_stays_healthy(url, case):
+    method, path, body, headers, status, param = CASES[case]
+    got, resp_headers, raw = request(url, method, path, body, headers)
+    assert got == status, (case, got, raw[:300])
+    assert resp_headers.get("content-type", "").startswith("application/json")
+    err = json.loads(raw)["error"]
+    assert isinstance(err["message"], str) and err["message"]
+    assert err["type"] and "code" in err and "param" in err
+    if param is not ...:
+        assert err["param"] == param, err
+    assert MARK not in raw.decode(errors="replace")  # nothing the client sent is echoed back
+    assert request(url, "GET", "/health")[0] == 200
+
+
+def test_internal_kv_fields_from_a_client_are_ignored(url):
+    plain = json.loads(request(url, "POST", CHAT, chat(temperature=0, max_tokens=8))[2])
+    forged = {"kv_transfer_params": {"remote_host": "10.0.0.1", "remote_port": 1, "do_remote_prefill": True},
+              "receiver": {"address": "tcp://10.0.0.1:1"}, "request_id": "forged", "prompt_token_ids": [1, 2, 3]}
+    status, _, raw = request(url, "POST", CHAT, chat(temperature=0, max_tokens=8, **forged))
+    assert status == 200
+    got = json.loads(raw)
+    assert got["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+    assert got["usage"] == plain["usage"] and got["id"] != "forged"
+
+
+def test_after_every_bad_request_the_server_still_serves_and_holds_nothing(url):
+    status, _, raw = request(url, "POST", CHAT, chat(temperature=0, max_tokens=6))
+    assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 6
+    (decode,) = replica_stats(url)
+    assert decode["blocks_in_use"] == 0 and decode["num_running"] == 0 and decode["num_waiting"] == 0
+
+
+def test_api_key_guards_v1_but_not_health(url, tiny_model_paths):
+    deploy(app_args(str(tiny_model_paths["llama"]), api_key="sk-tandem-test"))
+    try:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sk-tandem-test"}):
+            for method, path, body in (("POST", CHAT, chat()), ("POST", COMP, completion()),
+                                       ("GET", "/v1/models", None), ("GET", "/debug/stats", None)):
+                status, _, raw = request(url, method, path, body, headers)
+                assert status == 401, (path, headers, status)
+                err = json.loads(raw)["error"]
+                assert err["type"] == "authentication_error" and "sk-tandem-test" not in raw.decode()
+        assert request(url, "GET", "/health")[0] == 200
+        ok = {"Authorization": "Bearer sk-tandem-test"}
+        assert request(url, "GET", "/v1/models", None, ok)[0] == 200
+        assert request(url, "POST", CHAT, chat(), ok)[0] == 200
+    finally:
+        deploy(app_args(str(tiny_model_paths["llama"])))
