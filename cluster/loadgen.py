@@ -1,0 +1,166 @@
+"""Load for an OpenAI-compatible server: named workloads, a streaming HTTP client that times
+every chunk, and the summary the benches print (used by bench/serve.py; works against any
+server speaking /v1/chat/completions, vLLM's included).
+
+What is measured, per request, from the client's side of the socket:
+  TTFT  send → first chunk carrying generated text (a role-only first chunk does not count)
+  ITL   gap between consecutive chunks carrying text: the stall a reader sees. A server that
+        coalesces k tokens into one chunk shows one gap for k tokens, so this is never kinder
+        than per-token timing; `tokens_per_chunk` says how much coalescing happened.
+  TPOT  (last chunk − first chunk) / (completion tokens − 1)
+Throughput is completion tokens (from usage) over the workload's wall time. Every request
+sets `ignore_eos` so each one generates exactly `max_tokens`, whatever the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import aiohttp
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    num_requests: int
+    concurrency: int
+    max_tokens: int = 64
+    long_every: int = 0      # every k-th request carries a long prompt (0: none)
+    long_words: int = 600
+
+
+WORKLOADS = {
+    "single": Workload("single", num_requests=6, concurrency=1),
+    "concurrent16": Workload("concurrent16", num_requests=32, concurrency=16),
+    "mixed": Workload("mixed", num_requests=32, concurrency=16, long_every=4),
+}
+
+_TOPICS = ("a lighthouse keeper", "the history of tea", "a robot learning to paint", "autumn in Kyoto",
+           "how bridges carry load", "a chess match", "the water cycle", "a night market", "volcanoes",
+           "a letter to a friend", "bees and flowers", "the first train", "a mountain village",
+           "how compilers work", "the moon landing", "a rainy afternoon")
+_WORDS = ("river stone market lantern harbor engine garden paper window copper signal forest winter "
+          "letter bridge orbit candle meadow thunder ladder violin desert island mirror anchor canyon "
+          "feather glacier compass velvet pepper tunnel marble saddle rocket ember willow falcon quartz").split()
+
+
+def prompt_for(workload: Workload, i: int) -> str:
+    """Request i's prompt: short and varied, or (every `long_every`-th) ~`long_words` words of
+    distinct notes to summarize (distinct per request, so no prefix cache can skip them)."""
+    topic = _TOPICS[i % len(_TOPICS)]
+    if workload.long_every and i % workload.long_every == workload.long_every - 1:
+        rng = random.Random(i)
+        notes = " ".join(rng.choice(_WORDS) for _ in range(workload.long_words))
+        return f"Here are my notes about {topic}: {notes}\nSummarize them in one paragraph."
+    return f"Write a short story about {topic}."
+
+
+@dataclass
+class Sample:
+    """One request as the client saw it."""
+    prompt_words: int
+    sent_at: float = 0.0
+    chunk_times: list[float] = field(default_factory=list)
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.chunk_times[0] - self.sent_at if self.chunk_times else None
+
+    @property
+    def itls_s(self) -> list[float]:
+        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
+
+
+async def stream_one(session: aiohttp.ClientSession, url: str, model: str, prompt: str, max_tokens: int,
+                     headers: dict[str, str]) -> Sample:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    s = Sample(prompt_words=len(prompt.split()), sent_at=time.perf_counter())
+    try:
+        async with session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as r:
+            if r.status != 200:
+                s.error = f"HTTP {r.status}: {(await r.read())[:200].decode(errors='replace')}"
+                return s
+            async for raw in r.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                now, chunk = time.perf_counter(), json.loads(line[6:])
+                if "error" in chunk:
+                    s.error = f"error chunk: {chunk['error'].get('message', '')[:200]}"
+                    return s
+                for choice in chunk.get("choices") or []:
+                    if (choice.get("delta") or {}).get("content"):
+                        s.chunk_times.append(now)
+                    s.finish_reason = choice.get("finish_reason") or s.finish_reason
+                if chunk.get("usage"):
+                    s.completion_tokens = chunk["usage"]["completion_tokens"]
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        s.error = f"{type(exc).__name__}: {exc}"
+    if s.error is None and (s.finish_reason is None or not s.chunk_times):
+        s.error = "stream ended without text or finish_reason"
+    return s
+
+
+async def run_workload(url: str, model: str, workload: Workload, *, api_key: str | None = None,
+                       on_done: Callable[[Sample], None] | None = None) -> tuple[dict[str, Any], list[Sample]]:
+    """Send the workload's requests, `concurrency` at a time; return its summary and samples."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    queue = list(range(workload.num_requests))
+    samples: list[Sample] = []
+    connector = aiohttp.TCPConnector(limit=workload.concurrency + 1)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        async def worker() -> None:
+            while queue:
+                i = queue.pop(0)
+                s = await stream_one(session, url, model, prompt_for(workload, i), workload.max_tokens, headers)
+                samples.append(s)
+                if on_done is not None:
+                    on_done(s)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(workload.concurrency)))
+        wall = time.perf_counter() - start
+    return summarize(workload, samples, wall), samples
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..100); None for no data."""
+    if not xs:
+        return None
+    ordered = sorted(xs)
+    return ordered[min(len(ordered) - 1, max(0, int(round(q / 100 * len(ordered) + 0.5)) - 1))]
+
+
+def summarize(workload: Workload, samples: list[Sample], wall_s: float) -> dict[str, Any]:
+    ok = [s for s in samples if s.error is None]
+    ttfts = [s.ttft_s for s in ok if s.ttft_s is not None]
+    itls = [gap for s in ok for gap in s.itls_s]
+    tpots = [(s.chunk_times[-1] - s.chunk_times[0]) / (s.completion_tokens - 1)
+             for s in ok if s.completion_tokens > 1 and len(s.chunk_times) > 1]
+    tokens = sum(s.completion_tokens for s in ok)
+    chunks = sum(len(s.chunk_times) for s in ok)
+
+    def ms(x: float | None) -> float | None:
+        return None if x is None else round(x * 1000, 1)
+
+    return {
+        "workload": workload.name, "requests": len(samples), "errors": len(samples) - len(ok),
+        "error_kinds": sorted({s.error.split(":")[0] for s in samples if s.error}),
+        "concurrency": workload.concurrency, "max_tokens": workload.max_tokens,
+        "wall_s": round(wall_s, 2), "completion_tokens": tokens,
+        "out_tok_s": round(tokens / wall_s, 1) if wall_s > 0 else None,
+        "ttft_ms": {"p50": ms(percentile(ttfts, 50)), "p99": ms(percentile(ttfts, 99))},
+        "itl_ms": {"p50": ms(percentile(itls, 50)), "p99": ms(percentile(itls, 99))},
+        "tpot_ms": {"p50": ms(percentile(tpots, 50))},
+        "tokens_per_chunk": round(tokens / chunks, 2) if chunks else None,
+    }
