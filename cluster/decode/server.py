@@ -7,10 +7,12 @@ KV coming from a prefill replica (disaggregated).
       disaggregated:
         1. reserve R's destination blocks; expect R on the connector  (no room → prefill here)
         2. await prefill.prefill(R, ..., receiver)  → first token, KV pushed/put by prefill
+           (a prefill replica lost before answering: retried on another, PREFILL_RETRIES times)
         3. fetch + verify the KV off the engine thread; import it; R joins the running batch
            (a transfer error takes kv_load_failure_policy: recompute here, or fail R)
         4. ack the prefill replica (it frees R's blocks), then stream R's tokens
-    Closing the stream early (client gone) aborts R and frees its blocks.
+    Closing the stream early (client gone) aborts R and frees its blocks; the prefill side is
+    cancelled too, or acked at once if it already handed R over.
 
 The Serve deployment (cluster/decode/deployment.py) is a thin shell over this class.
 """
@@ -18,6 +20,7 @@ The Serve deployment (cluster/decode/deployment.py) is a thin shell over this cl
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from typing import Any, AsyncIterator, Protocol, Sequence
 
@@ -32,11 +35,18 @@ from cluster.prefill.worker import PrefillHandoff
 from cluster.sampling_params import SamplingParams
 
 
+PREFILL_RETRIES = 2
+
+
 class PrefillClient(Protocol):
     async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                       receiver: dict[str, Any]) -> PrefillHandoff: ...
 
     async def ack(self, handoff: PrefillHandoff) -> None: ...
+
+
+class PrefillReplicaLost(RuntimeError):
+    """The prefill replica died before answering (a `PrefillClient` raises it): worth a retry."""
 
 
 class PrefillFailed(RuntimeError):
@@ -55,6 +65,7 @@ class DecodeServer:
             self.worker = DecodeWorker(engine, self.connector, kv.kv_load_failure_policy, kv.timeout_s)
         self.engine = AsyncEngine(engine)
         self.counters: Counter[str] = Counter()
+        self.last_abort_at = 0.0  # wall time an abandoned request's blocks were last freed
         self._acks: set[asyncio.Task] = set()
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -74,6 +85,9 @@ class DecodeServer:
             if self.connector is not None:
                 self.connector.cancel(request_id)
             await self.engine.close_stream(request_id)
+            if not stream.finished:  # the caller went away: R is aborted and its blocks are free
+                self.counters["aborted"] += 1
+                self.last_abort_at = time.time()
 
     async def _remote_prefill(self, rid: str, prompt: list[int], params: SamplingParams,
                               prefill: PrefillClient) -> Any:
@@ -85,7 +99,7 @@ class DecodeServer:
             await self.engine.call(lambda e: e.add_request(rid, prompt, params))
             return None
         try:
-            handoff = await prefill.prefill(rid, prompt, params, receiver)
+            handoff = await self._prefill_with_retries(rid, prompt, params, receiver, prefill)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -100,8 +114,22 @@ class DecodeServer:
                 packed = await asyncio.to_thread(worker.fetch, rid, handoff)
             except KVTransferError as exc:
                 error = exc
-            self._ack(prefill, handoff)
+            finally:  # landed, failed or cancelled: the prefill side may free R's blocks now
+                self._ack(prefill, handoff)
         return await self.engine.call(lambda e: worker.start(rid, handoff, packed, error))
+
+    async def _prefill_with_retries(self, rid: str, prompt: list[int], params: SamplingParams,
+                                    receiver: dict[str, Any], prefill: PrefillClient) -> PrefillHandoff:
+        """Ask the prefill pool; a replica lost before answering is retried on another one
+        (`PREFILL_RETRIES` times: the pool's router no longer picks a dead replica)."""
+        for attempt in range(PREFILL_RETRIES + 1):
+            try:
+                return await prefill.prefill(rid, prompt, params, receiver)
+            except PrefillReplicaLost:
+                if attempt == PREFILL_RETRIES:
+                    raise
+                self.counters["prefill_retried"] += 1
+        raise AssertionError("unreachable")
 
     def _ack(self, prefill: PrefillClient, handoff: PrefillHandoff) -> None:
         task = asyncio.get_running_loop().create_task(prefill.ack(handoff))
@@ -124,7 +152,13 @@ class DecodeServer:
         else:
             base = await self.engine.call(lambda e: e.stats())
         return {**base, **self.counters, "engine_alive": self.engine.alive,
-                "steps": self.engine.steps}
+                "steps": self.engine.steps, "last_abort_at": self.last_abort_at}
+
+    def check_health(self) -> None:
+        self.engine.check_health(self.config.stall_timeout_s)
+
+    def wedge(self) -> None:
+        self.engine.wedge()
 
     def close(self) -> None:
         self.engine.shutdown()

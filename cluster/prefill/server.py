@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import threading
+import time
 from typing import Any, Sequence
 
 from cluster.config import AppConfig
@@ -30,6 +33,8 @@ class PrefillServer:
         self.queued_prompt_tokens = 0
         self.queued_requests = 0
         self._reaper: asyncio.Task | None = None
+        self.last_abort_at = 0.0  # wall time a cancelled request's blocks were last released
+        self._job_started_at: float | None = None
 
     async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                       receiver: dict[str, Any]) -> PrefillHandoff:
@@ -39,21 +44,57 @@ class PrefillServer:
         self.queued_requests += 1
         try:
             return await self._run(self.worker.prefill, request_id, list(prompt_token_ids), params, receiver)
+        except asyncio.CancelledError:
+            # The decode side (and its client) went away. A queued job never starts; a running
+            # one stops at its next step; a finished one's held blocks are released by `drop`,
+            # which runs after it on the engine thread.
+            self.worker.cancel(request_id)
+            with contextlib.suppress(RuntimeError):  # shutting down: nothing left to release
+                self._executor.submit(self._dropped, request_id)
+            raise
         finally:
             self.queued_prompt_tokens -= n
             self.queued_requests -= 1
+
+    def _dropped(self, request_id: str) -> None:
+        self.worker.drop(request_id)
+        self.last_abort_at = time.time()
 
     async def ack(self, request_id: str) -> bool:
         return await self._run(self.worker.ack, request_id)
 
     async def stats(self) -> dict[str, Any]:
-        return {**await self._run(self.worker.stats), "queued_prompt_tokens": self.queued_prompt_tokens}
+        # Read here, not on the engine thread: a long prefill would hold the snapshot back for
+        # its whole duration. Plain counters; a snapshot taken mid-step is still consistent enough.
+        return {**self.worker.stats(), "queued_prompt_tokens": self.queued_prompt_tokens,
+                "last_abort_at": self.last_abort_at}
 
     def routing_stats(self) -> dict[str, Any]:
         return {"queued_prompt_tokens": self.queued_prompt_tokens, "queued_requests": self.queued_requests}
 
     async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._timed, fn, *args)
+
+    def _timed(self, fn, *args):
+        self._job_started_at = time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            self._job_started_at = None
+
+    def check_health(self) -> None:
+        """Raise if an engine job (a prompt's prefill, an ack) has made no progress (no engine
+        step) for `stall_timeout_s`."""
+        started = self._job_started_at
+        if started is None:
+            return
+        stalled = time.monotonic() - max(started, self.worker.last_step_at)
+        if stalled > self.config.stall_timeout_s:
+            raise RuntimeError(f"the prefill engine has made no progress for {stalled:.1f} s: wedged")
+
+    def wedge(self) -> None:
+        """Fault injection: occupy the engine thread for good (tests of the health check)."""
+        self._executor.submit(self._timed, threading.Event().wait)
 
     def _ensure_reaper(self) -> None:
         if self._reaper is None or self._reaper.done():

@@ -4,6 +4,8 @@
                                           → export_kv(R) → connector.send → lease(R) starts
     ack(R)                                → release R's blocks (late acks are counted, ignored)
     reap()                                → release every R whose lease expired unacknowledged
+    cancel(R) (any thread), then drop(R)  → the caller is gone: R stops at its next engine step,
+                                            and whatever R holds is released at once
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ class PrefillHandoff:
     origin: str = ""  # which prefill replica holds R's blocks (acks go back there)
 
 
+class PrefillCancelled(Exception):
+    """R's caller went away while R was being prefilled; R's blocks are already freed."""
+
+
 class PrefillWorker:
     def __init__(self, engine: LLMEngine, connector: KVConnector, lease_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -43,6 +49,8 @@ class PrefillWorker:
         self.lease_s = lease_s
         self.clock = clock
         self.leases: dict[str, float] = {}
+        self.cancelled: set[str] = set()  # added from the event loop's thread, read between steps
+        self.last_step_at = clock()  # progress heartbeat for the health check
         self.counters: Counter[str] = Counter()
 
     def prefill(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -54,7 +62,10 @@ class PrefillWorker:
         out = None
         try:
             while out is None:
+                if request_id in self.cancelled:
+                    raise PrefillCancelled(f"{request_id} was cancelled during its prefill")
                 out = next((o for o in engine.step() if o.request_id == request_id), None)
+                self.last_step_at = self.clock()
         except BaseException:
             engine.abort_request(request_id)
             raise
@@ -83,6 +94,17 @@ class PrefillWorker:
         self.engine.release(request_id)
         self.counters["acked"] += 1
         return True
+
+    def cancel(self, request_id: str) -> None:
+        """R's caller went away (safe from any thread): its prefill stops at the next step."""
+        self.cancelled.add(request_id)
+
+    def drop(self, request_id: str) -> None:
+        """After `cancel(R)`, on the engine's thread: release whatever R still holds."""
+        self.cancelled.discard(request_id)
+        if self.leases.pop(request_id, None) is not None:
+            self.engine.release(request_id)
+        self.counters["cancelled"] += 1
 
     def reap(self) -> list[str]:
         now = self.clock()

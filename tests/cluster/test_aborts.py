@@ -1,0 +1,129 @@
+"""Requests that end early. Clients that hang up (reliability fault 5): during prefill, and
+during decode; both pools abort the request within 1 s of the hang-up and free its blocks.
+Deadlines (fault 9): 408 before the first byte, an error chunk after it, the request aborted.
+Real HTTP through Serve, the default model disaggregated over TCP; a hang-up is a socket
+closed by the client.
+
+How "within 1 s" is measured: each replica stamps the wall time at which it finished freeing
+an abandoned request (`last_abort_at` in /debug/stats); the test compares it with the wall
+time it closed the socket (same host, same clock). Prefill runs in chunks of
+`max_num_batched_tokens` (256 here, ~0.8 s of compute on this CPU): a chunk that is running
+when the hang-up lands finishes first, which bounds the prefill side's reaction time."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+
+import pytest
+
+from serving import args_of, deploy, replica_stats
+
+pytestmark = pytest.mark.slow
+
+LONG = "Summarize these notes: " + " ".join(f"item{i} is filed under shelf {i % 7}" for i in range(160))
+
+
+@pytest.fixture(scope="module")
+def url(serve_url):
+    args = args_of("serve-tcp.yaml")
+    args["engine"] = {**args["engine"], "max_num_batched_tokens": 256, "cpu_kv_cache_bytes": 256 << 20}
+    deploy(args)
+    return serve_url
+
+
+def open_stream(url: str, content: str, max_tokens: int, stream: bool = True,
+                headers: dict[str, str] | None = None) -> http.client.HTTPConnection:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    body = json.dumps({"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": content}],
+                       "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": stream})
+    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json", **(headers or {})})
+    return conn
+
+
+def hang_up(conn: http.client.HTTPConnection) -> float:
+    conn.sock.close()
+    conn.close()
+    return time.time()
+
+
+def settled(url: str, since: float, timeout_s: float = 20.0) -> dict[str, dict]:
+    """Poll until nothing is in use anywhere; return the last stats per pool."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = {s["pool"]: s for s in replica_stats(url, settle_s=0.6)}
+        idle = all(s["blocks_in_use"] == 0 and s["num_running"] == 0 and s["num_waiting"] == 0
+                   and s.get("num_remote", 0) == 0 and s.get("leases", 0) == 0 for s in stats.values())
+        if idle or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.2)
+
+
+def test_hang_up_during_prefill_aborts_in_both_pools_within_1s(url):
+    before = {s["pool"]: s for s in replica_stats(url, settle_s=0.6)}
+    conn = open_stream(url, LONG, 32)
+    time.sleep(1.0)  # the prompt (~1.3k tokens) takes several seconds to prefill: we are inside it
+    t = hang_up(conn)
+    stats = settled(url, t)
+    for pool in ("prefill", "decode"):
+        s = stats[pool]
+        assert s["blocks_in_use"] == 0 and s["num_running"] == 0, s
+        assert s["last_abort_at"] > t, (pool, "no abort recorded after the hang-up")
+        assert s["last_abort_at"] - t <= 1.0, (pool, s["last_abort_at"] - t)
+    assert stats["prefill"]["cancelled"] == before["prefill"].get("cancelled", 0) + 1
+    assert stats["prefill"].get("kv_sent", 0) == before["prefill"].get("kv_sent", 0)  # it stopped before sending
+
+
+def test_hang_up_during_decode_aborts_within_1s(url):
+    conn = open_stream(url, "Tell me a long story about the sea.", 400)
+    resp = conn.getresponse()
+    assert resp.status == 200
+    lines = 0
+    while lines < 5:  # a few tokens have streamed: the request is decoding
+        if resp.fp.readline().startswith(b"data: "):
+            lines += 1
+    t = hang_up(conn)
+    stats = settled(url, t)
+    d = stats["decode"]
+    assert d["blocks_in_use"] == 0 and d["num_running"] == 0, d
+    assert t < d["last_abort_at"] <= t + 1.0, d["last_abort_at"] - t
+    assert stats["prefill"]["blocks_in_use"] == 0 and stats["prefill"]["leases"] == 0
+
+
+def test_deadline_before_the_first_byte_is_a_408(url):
+    start = time.monotonic()
+    for stream in (False, True):
+        conn = open_stream(url, LONG, 32, stream=stream, headers={"X-Request-Timeout": "1.0"})
+        resp = conn.getresponse()
+        body = json.loads(resp.read())
+        conn.close()
+        assert resp.status == 408 and body["error"]["code"] == "request_timeout", body
+    assert time.monotonic() - start < 8.0  # each answered at its deadline, not after the prefill
+    stats = settled(url, 0)
+    assert all(s["blocks_in_use"] == 0 and s["num_running"] == 0 for s in stats.values()), stats
+
+
+def test_deadline_after_the_first_byte_is_an_error_chunk(url):
+    conn = open_stream(url, "Tell me a long story about the sea.", 400, headers={"X-Request-Timeout": "3"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    events = [line[6:].strip() for line in resp.read().decode().splitlines() if line.startswith("data: ")]
+    conn.close()
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "request_timeout" and error["type"] == "timeout_error"
+    chunks = [json.loads(e) for e in events[:-2]]
+    assert len(chunks) > 3 and not any(c["choices"][0]["finish_reason"] for c in chunks)  # no clean end
+    stats = settled(url, 0)
+    assert all(s["blocks_in_use"] == 0 and s["num_running"] == 0 for s in stats.values()), stats
+
+
+def test_the_server_serves_normally_after_the_hang_ups(url):
+    from serving import client
+
+    c = client(url)
+    r = c.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=16,
+                                  messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in r.choices[0].message.content
