@@ -175,6 +175,15 @@ class AppConfig:
     served_model_name: the id in /v1/models and in requests; default: the model folder's name.
     api_key: when set, /v1 routes need `Authorization: Bearer <api_key>`.
     max_request_bytes: bodies over this get a 413.
+    request_timeout_s: every request's deadline (None: none). A client may ask for a shorter
+    one with the `X-Request-Timeout` header (seconds). Past it: 408 before the first byte of
+    the response, an error chunk after it; either way the request is aborted everywhere.
+    max_concurrent_requests: requests one router replica carries at once (streams until their
+    last byte); beyond it new ones get a fast 503 with Retry-After. None: no limit.
+    stall_timeout_s: a pool replica whose engine has not made progress for this long fails
+    Serve's health check (and is replaced): a wedged step loop or a prefill that never ends.
+    max_migrations: how many times one stream may move to another decode replica when its
+    replica dies (0: never; the client then gets an error chunk).
     """
 
     mode: str = "disaggregated"
@@ -183,19 +192,33 @@ class AppConfig:
     served_model_name: str | None = None
     api_key: str | None = None
     max_request_bytes: int = 1 << 20
+    request_timeout_s: float | None = None
+    max_concurrent_requests: int | None = 512
+    stall_timeout_s: float = 60.0
+    max_migrations: int = 2
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.max_request_bytes < 1024:
             raise ValueError("max_request_bytes must be >= 1024")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise ValueError("request_timeout_s must be positive (or null for no deadline)")
+        if self.max_migrations < 0:
+            raise ValueError("max_migrations must be >= 0")
+        if not self.stall_timeout_s > 0:
+            raise ValueError("stall_timeout_s must be positive")
+        if self.max_concurrent_requests is not None and self.max_concurrent_requests < 1:
+            raise ValueError("max_concurrent_requests must be >= 1 (or null for no limit)")
 
     @classmethod
     def from_args(cls, args: dict[str, Any] | None) -> AppConfig:
         """`{mode, model, engine: {flat engine args}, kv_transfer: {...}, served_model_name,
-        api_key, max_request_bytes}`; an unknown key anywhere is an error naming it."""
+        api_key, max_request_bytes, request_timeout_s, max_concurrent_requests, stall_timeout_s,
+        max_migrations}`; an unknown key anywhere is an error naming it."""
         args = dict(args or {})
-        known = {"mode", "model", "engine", "kv_transfer", "served_model_name", "api_key", "max_request_bytes"}
+        known = {"mode", "model", "engine", "kv_transfer", "served_model_name", "api_key", "max_request_bytes",
+                 "request_timeout_s", "max_concurrent_requests", "stall_timeout_s", "max_migrations"}
         unknown = sorted(set(args) - known)
         if unknown:
             raise ValueError(f"unknown app arg(s) {unknown}; known: {sorted(known)}")

@@ -24,7 +24,7 @@ class PoolReplica:
         self._poster: asyncio.Task | None = None
 
     async def stats(self) -> dict[str, Any]:
-        return {"pool": self.pool, "replica": self.replica_id, **await self.server.stats()}
+        return {"pool": self.pool, "replica": self.replica_id, "pid": os.getpid(), **await self.server.stats()}
 
     async def kv_control(self, op: str, args: dict[str, Any], replica_id: str = "") -> Any:
         """A peer connector's control call (the collective connector's group rendezvous);
@@ -38,7 +38,19 @@ class PoolReplica:
         return self.server.routing_stats()
 
     async def check_health(self) -> None:
+        """Serve calls this every health_check_period_s; raising marks the replica unhealthy and
+        Serve replaces it (a wedged engine: see `stall_timeout_s`)."""
         self._ensure_posting()
+        self.server.check_health()
+
+    async def inject_fault(self, kind: str) -> None:
+        """Tests only, with TANDEM_FAULT_INJECTION=1 in the replica's environment:
+        'wedge' stops the engine for good (what the health check must catch)."""
+        if os.environ.get("TANDEM_FAULT_INJECTION") != "1":
+            raise PermissionError("fault injection is off (TANDEM_FAULT_INJECTION=1 enables it)")
+        if kind != "wedge":
+            raise ValueError(f"unknown fault {kind!r}")
+        self.server.wedge()
 
     def _ensure_posting(self) -> None:
         if self._poster is None or self._poster.done():

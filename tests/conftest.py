@@ -38,6 +38,7 @@ def ray_local():
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
              runtime_env={"env_vars": {"PYTHONPATH": tests_dir,
-                                          "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "0")}})
+                                          "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "0"),
+                                          "TANDEM_FAULT_INJECTION": "1"}})  # tests inject faults
     yield ray
     ray.shutdown()

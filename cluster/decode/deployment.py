@@ -4,21 +4,17 @@ holds a handle to the prefill pool and asks it for each request's prompt KV."""
 from __future__ import annotations
 
 import contextvars
-import time
 from typing import Any, AsyncIterator, Sequence
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from cluster.config import AppConfig
-from cluster.decode.server import DecodeServer
+from cluster.decode.server import DecodeServer, PrefillReplicaLost
 from cluster.outputs import TokenDelta
 from cluster.pool_replica import PoolReplica, one_torch_thread
 from cluster.prefill.worker import PrefillHandoff
 from cluster.sampling_params import SamplingParams
-
-WEDGED_AFTER_S = 30.0  # a busy engine whose loop has not turned for this long is unhealthy
-
 
 class ServePrefillClient:
     """`PrefillClient` over the prefill pool's handle; acks are pinned to the replica that holds R."""
@@ -28,7 +24,12 @@ class ServePrefillClient:
 
     async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                       receiver: dict[str, Any]) -> PrefillHandoff:
-        return await self.handle.prefill.remote(request_id, list(prompt_token_ids), params, receiver)
+        from ray import exceptions as rex
+
+        try:
+            return await self.handle.prefill.remote(request_id, list(prompt_token_ids), params, receiver)
+        except (rex.RayActorError, rex.ActorUnavailableError) as exc:  # died before answering: try another
+            raise PrefillReplicaLost(f"the prefill replica was lost: {type(exc).__name__}") from None
 
     async def ack(self, handoff: PrefillHandoff) -> None:
         # its own context: Serve would tag it with the prefill call's request id (see router app)
@@ -49,11 +50,3 @@ class DecodeDeployment(PoolReplica):
         self._ensure_posting()
         async for deltas in self.server.generate(request_id, prompt_token_ids, params, self.prefill):
             yield deltas
-
-    async def check_health(self) -> None:
-        await super().check_health()
-        engine = self.server.engine
-        if not engine.alive:
-            raise RuntimeError("the engine loop has stopped")
-        if time.monotonic() - engine.last_step_at > WEDGED_AFTER_S:
-            raise RuntimeError(f"the engine loop has not turned for {WEDGED_AFTER_S:.0f}s")

@@ -115,6 +115,21 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def check_health(self, stall_timeout_s: float) -> None:
+        """Raise if the step loop has exited, or has not turned for `stall_timeout_s` (it turns
+        every `idle_wait_s` when idle, after every step when busy): a wedged engine."""
+        if not self.alive:
+            raise RuntimeError("the engine's step loop has exited")
+        stalled = time.monotonic() - self.last_step_at
+        if stalled > stall_timeout_s:
+            raise RuntimeError(f"the engine's step loop has not turned for {stalled:.1f} s: wedged")
+
+    def wedge(self) -> None:
+        """Fault injection: block the step loop for good (tests of the health check)."""
+        self._commands.put((lambda e: threading.Event().wait(), asyncio.get_running_loop().create_future(),
+                            asyncio.get_running_loop()))
+        self._wake.set()
+
     # -- engine thread -----------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine

@@ -37,21 +37,49 @@ class _Choice:
     stop_reason: int | str | None = None
 
 
+class SSEStream:
+    """One streamed response's SSE lines. `aclose()` ends the request wherever it stands, even
+    when nobody started iterating (a client gone before the body): the samples behind it are
+    already running, and closing them is what aborts them in the pools."""
+
+    def __init__(self, lines: AsyncIterator[str], source: AsyncIterator[Any]) -> None:
+        self._lines, self._source = lines, source
+
+    def __aiter__(self) -> "SSEStream":
+        return self
+
+    async def __anext__(self) -> str:
+        return await self._lines.__anext__()
+
+    async def aclose(self) -> None:
+        try:
+            await self._lines.aclose()
+        finally:
+            await self._source.aclose()
+
+
 class OpenAIServer:
     def __init__(self, model_name: str, tokenizer: Any, max_model_len: int, generate: GenerateFn,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 map_error: Callable[[BaseException], APIError] | None = None) -> None:
         self.model_name = model_name
         self.tokenizer = tokenizer  # cluster.engine.tokenizer.Tokenizer
         self.max_model_len = max_model_len
         self.generate = generate
         self.clock = clock
+        # what an error from `generate` becomes in an error chunk (after the first byte)
+        self.map_error = map_error or (lambda exc: APIError(500, f"generation failed: {type(exc).__name__}",
+                                                            type_="internal_error"))
 
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
                                             "owned_by": "tandem", "max_model_len": self.max_model_len}]}
 
     # -- entry points ----------------------------------------------------------------
-    async def chat(self, body: Any) -> dict[str, Any] | AsyncIterator[str]:
+    async def chat(self, body: Any, timeout_s: float | None = None) -> dict[str, Any] | SSEStream:
+        """`timeout_s`: the request's deadline, from now (408 before the first byte, an error
+        chunk after it)."""
+        deadline = _deadline(timeout_s)
         req = _parse(ChatCompletionRequest, body)
         self._check_model(req.model)
         req.check_stream_options()
@@ -61,9 +89,10 @@ class OpenAIServer:
             prompt_ids = self.tokenizer.encode_chat(messages)
         except Exception as exc:  # a template that rejects this conversation
             raise APIError(400, f"cannot apply the chat template: {type(exc).__name__}") from None
-        return await self._run("chat", req, prompt_ids)
+        return await self._run("chat", req, prompt_ids, deadline)
 
-    async def completions(self, body: Any) -> dict[str, Any] | AsyncIterator[str]:
+    async def completions(self, body: Any, timeout_s: float | None = None) -> dict[str, Any] | SSEStream:
+        deadline = _deadline(timeout_s)
         req = _parse(CompletionRequest, body)
         self._check_model(req.model)
         req.check_stream_options()
@@ -75,7 +104,7 @@ class OpenAIServer:
                 raise APIError(400, f"prompt token ids must be in [0, {self.tokenizer.vocab_size})", param="prompt")
         if req.echo:
             raise APIError(400, "echo is not supported", param="echo")
-        return await self._run("text", req, prompt_ids)
+        return await self._run("text", req, prompt_ids, deadline)
 
     # -- shared ----------------------------------------------------------------------
     def _check_model(self, model: str) -> None:
@@ -97,7 +126,8 @@ class OpenAIServer:
                            param="max_tokens", code="context_length_exceeded")
         return requested if requested is not None else room
 
-    async def _run(self, kind: str, req: Any, prompt_ids: list[int]) -> dict[str, Any] | AsyncIterator[str]:
+    async def _run(self, kind: str, req: Any, prompt_ids: list[int],
+                   deadline: float | None) -> dict[str, Any] | SSEStream:
         max_tokens = self._limits(prompt_ids, req.requested_max_tokens())
         params = req.sampling_params(max_tokens, req.requested_logprobs())
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
@@ -105,17 +135,19 @@ class OpenAIServer:
         children = [(f"{rid}-{j}", dataclasses.replace(params, seed=_child_seed(params.seed, j))) for j in range(req.n)]
         created = int(self.clock())
         if not req.stream:
-            choices = await asyncio.gather(*(self._collect(cid, prompt_ids, p) for cid, p in children))
+            choices = await _within(asyncio.gather(*(self._collect(cid, prompt_ids, p) for cid, p in children)),
+                                    deadline)
             return self._response(kind, rid, created, choices, len(prompt_ids), params.logprobs is not None)
         merged = _merge([self.generate(cid, prompt_ids, p) for cid, p in children])
         try:
-            first = await merged.__anext__()  # errors before the first byte keep their HTTP status
+            first = await _within(merged.__anext__(), deadline)  # errors before the first byte keep their status
         except BaseException:
             await merged.aclose()
             raise
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return self._stream(kind, rid, created, req.n, len(prompt_ids), first, merged, include_usage,
-                            params.logprobs is not None)
+        lines = self._stream(kind, rid, created, req.n, len(prompt_ids), first, merged, include_usage,
+                             params.logprobs is not None, deadline)
+        return SSEStream(lines, merged)
 
     async def _collect(self, cid: str, prompt_ids: list[int], params: SamplingParams) -> _Choice:
         choice = _Choice()
@@ -146,7 +178,7 @@ class OpenAIServer:
 
     async def _stream(self, kind: str, rid: str, created: int, n: int, num_prompt: int,
                       first: tuple[int, TokenDelta], rest: AsyncIterator[tuple[int, TokenDelta]],
-                      include_usage: bool, with_logprobs: bool) -> AsyncIterator[str]:
+                      include_usage: bool, with_logprobs: bool, deadline: float | None) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         base = {"id": rid, "object": obj, "created": created, "model": self.model_name}
         extra = {"usage": None} if include_usage else {}
@@ -169,14 +201,13 @@ class OpenAIServer:
                 if d.text or d.token_ids or finish:
                     yield chunk([{"index": j, **body, "logprobs": lp, "finish_reason": finish,
                                   **({"stop_reason": d.stop_reason} if finish else {})}])
-                item = await rest.__anext__()
+                item = await _within(rest.__anext__(), deadline)
         except StopAsyncIteration:
             pass
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # after the first byte an error can only be a chunk
-            err = exc if isinstance(exc, APIError) else APIError(500, f"generation failed: {type(exc).__name__}",
-                                                                 type_="internal_error")
+            err = exc if isinstance(exc, APIError) else self.map_error(exc)
             yield f"data: {json.dumps(err.body())}\n\n"
             yield "data: [DONE]\n\n"
             return
@@ -202,6 +233,23 @@ class OpenAIServer:
                 "token_logprobs": [e.sampled.logprob for e in entries],
                 "top_logprobs": [{piece(t.token_id): t.logprob for t in e.top} for e in entries],
                 "text_offset": []}
+
+
+def _deadline(timeout_s: float | None) -> float | None:
+    return None if timeout_s is None else time.monotonic() + timeout_s
+
+
+async def _within(awaitable: Any, deadline: float | None) -> Any:
+    """Await it before the deadline, or cancel it (which aborts the requests behind it) and 408."""
+    if deadline is None:
+        return await awaitable
+    try:
+        return await asyncio.wait_for(awaitable, max(0.0, deadline - time.monotonic()))
+    except asyncio.TimeoutError:
+        if time.monotonic() < deadline:  # a timeout from inside, not our deadline
+            raise
+        raise APIError(408, "the request's deadline passed before it completed", type_="timeout_error",
+                       code="request_timeout") from None
 
 
 def _child_seed(seed: int | None, j: int) -> int | None:

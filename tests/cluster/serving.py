@@ -44,12 +44,13 @@ def apply_config(config: dict[str, Any]) -> None:
     apply_serve_config(config)
 
 
-def running_replicas() -> dict[str, int]:
-    """Serve's view: RUNNING replicas per deployment of the app (empty while it is not RUNNING)."""
+def running_replicas(settled: bool = True) -> dict[str, int]:
+    """Serve's view: RUNNING replicas per deployment of the app (with `settled`, empty while
+    the app itself is not RUNNING)."""
     from ray import serve
 
     app = serve.status().applications.get(APP)
-    if app is None or str(app.status).split(".")[-1] != "RUNNING":
+    if app is None or (settled and str(app.status).split(".")[-1] != "RUNNING"):
         return {}
     return {name: d.replica_states.get("RUNNING", 0) for name, d in app.deployments.items()}
 

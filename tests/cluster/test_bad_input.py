@@ -129,6 +129,9 @@ CASES = {
     "pickle_as_json": ("POST", CHAT, pickle.dumps({"model": MODEL, "x": MARK}), None, 400, None),
     "pickle_as_octet_stream": ("POST", CHAT, pickle.dumps({"model": MODEL}),
                                {"Content-Type": "application/octet-stream"}, 415, None),
+    "request_timeout_header_not_a_number": ("POST", CHAT, chat(), {"X-Request-Timeout": MARK}, 400,
+                                            "X-Request-Timeout"),
+    "request_timeout_header_negative": ("POST", CHAT, chat(), {"X-Request-Timeout": "-1"}, 400, "X-Request-Timeout"),
     "get_on_a_post_route": ("GET", CHAT, None, None, 405, None),
     "unknown_route": ("POST", f"/v1/{MARK}", chat(), None, 404, None),
 }
@@ -181,5 +184,33 @@ def test_api_key_guards_v1_but_not_health(url, tiny_model_paths):
         ok = {"Authorization": "Bearer sk-tandem-test"}
         assert request(url, "GET", "/v1/models", None, ok)[0] == 200
         assert request(url, "POST", CHAT, chat(), ok)[0] == 200
+    finally:
+        deploy(app_args(str(tiny_model_paths["llama"])))
+
+
+def test_overload_beyond_the_limit_is_a_fast_503_and_admitted_requests_finish(url, tiny_model_paths):
+    import concurrent.futures
+    import time
+
+    deploy(app_args(str(tiny_model_paths["llama"]), max_concurrent_requests=3))
+    long = chat(max_tokens=1000, ignore_eos=True, temperature=0)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            def admitted(_):
+                status, _, raw = request(url, "POST", CHAT, long)
+                return status, time.monotonic(), json.loads(raw)
+            running = [pool.submit(admitted, i) for i in range(3)]
+            time.sleep(1.0)
+            t0 = time.monotonic()
+            status, headers, raw = request(url, "POST", CHAT, chat())
+            refused_at = time.monotonic()
+            results = [f.result() for f in running]
+        assert status == 503 and headers.get("retry-after") == "1", (status, raw)
+        assert json.loads(raw)["error"]["code"] == "overloaded"
+        assert refused_at - t0 < 0.5  # refused at once, not queued
+        for status, finished_at, body in results:  # what was admitted still completes, untouched
+            assert status == 200 and body["usage"]["completion_tokens"] == 1000
+            assert finished_at > refused_at  # they were in flight when the fourth was refused
+        assert request(url, "POST", CHAT, chat())[0] == 200  # room again
     finally:
         deploy(app_args(str(tiny_model_paths["llama"])))

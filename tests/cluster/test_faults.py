@@ -1,0 +1,204 @@
+"""Replicas that fail (reliability faults 2 and 10), on a local Ray with real processes:
+  - a prefill replica SIGKILLed before its hand-off: the request is retried on another prefill
+    replica and completes; with no prefill replica at all, a fast 503 with Retry-After
+  - a decode engine that wedges (its step loop stops) fails Serve's health check and the
+    replica is replaced; a decode pool whose constructor fails makes the router answer 503
+Apps are deployed as `serve deploy` deploys them (apply_serve_config), pool options from YAML."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from serving import APP, apply_config, client, load_config, replica_stats, running_replicas, wait_for
+
+pytestmark = pytest.mark.slow
+
+LONG = "Summarize these notes: " + " ".join(f"item{i} is filed under shelf {i % 7}" for i in range(160))
+
+
+def config(args: dict, prefill: int | None, decode: int = 1, prefill_resources: dict | None = None,
+           **decode_options) -> dict:
+    deployments = [{"name": "Router", "num_replicas": 1, "ray_actor_options": {"num_cpus": 0}},
+                   {"name": "DecodePool", "num_replicas": decode, "ray_actor_options": {"num_cpus": 0.5},
+                    **decode_options}]
+    if prefill is not None:
+        options = {"num_cpus": 0.5, **({"resources": prefill_resources} if prefill_resources else {})}
+        deployments.append({"name": "PrefillPool", "num_replicas": prefill, "ray_actor_options": options})
+    return {"applications": [{"name": APP, "route_prefix": "/", "import_path": "cluster.router.app:build_app",
+                              "args": args, "deployments": deployments}]}
+
+
+def fresh(cfg: dict, want: dict[str, int], timeout_s: float = 240, settled: bool = True) -> None:
+    from ray import serve
+
+    serve.delete(APP)
+    apply_config(cfg)
+    wait_for(lambda: running_replicas(settled) == want, timeout_s, f"replicas {want}")
+
+
+def raw_post(url: str, body: dict, timeout: float = 30) -> tuple[int, dict, dict]:
+    import http.client
+    import json
+
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, json.loads(r.read())
+    finally:
+        conn.close()
+
+
+def test_prefill_replica_killed_before_handoff_is_retried_on_another(serve_url):
+    args = load_config("serve-tcp.yaml")["applications"][0]["args"]
+    args["engine"] = {**args["engine"], "max_num_batched_tokens": 256, "cpu_kv_cache_bytes": 256 << 20}
+    fresh(config(args, prefill=2), {"Router": 1, "DecodePool": 1, "PrefillPool": 2})
+    c = client(serve_url)
+    result: dict = {}
+
+    def ask() -> None:
+        try:
+            r = c.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=8,
+                                          messages=[{"role": "user", "content": LONG}])
+            result["finish"], result["tokens"] = r.choices[0].finish_reason, r.usage.completion_tokens
+        except Exception as exc:
+            result["error"] = repr(exc)
+
+    worker = threading.Thread(target=ask)
+    worker.start()
+    deadline = time.monotonic() + 30
+    busy = None
+    while busy is None and time.monotonic() < deadline:  # the replica that is prefilling our prompt
+        busy = next((s for s in replica_stats(serve_url, settle_s=0.3)
+                     if s["pool"] == "prefill" and s["queued_prompt_tokens"] > 0), None)
+    assert busy is not None, "no prefill replica ever took the prompt"
+    os.kill(busy["pid"], signal.SIGKILL)
+    worker.join(timeout=120)
+    assert result.get("finish") == "length" and result.get("tokens") == 8, result
+    decode = next(s for s in replica_stats(serve_url) if s["pool"] == "decode")
+    assert decode["prefill_retried"] >= 1 and decode.get("recomputed", 0) == 0  # the other replica did it
+    assert decode["blocks_in_use"] == 0 and decode["num_running"] == 0 and decode["num_remote"] == 0
+
+
+def test_no_prefill_replica_is_a_fast_503(serve_url, tiny_model_paths):
+    args = {"model": str(tiny_model_paths["llama"]), "served_model_name": "tiny",
+            "engine": {"num_blocks": 64}, "kv_transfer": {"connector": "shared_store"}}
+    # a prefill pool that cannot be placed (this cluster has no "gpu_node" resource): 0 running
+    fresh(config(args, prefill=1, prefill_resources={"gpu_node": 1}), {"Router": 1, "DecodePool": 1, "PrefillPool": 0},
+          settled=False)
+    start = time.monotonic()
+    status, headers, body = raw_post(serve_url, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 503 and headers.get("retry-after") == "1", (status, body)
+    assert body["error"]["code"] == "pool_unavailable" and "PrefillPool" in body["error"]["message"]
+    assert time.monotonic() - start < 3.0
+    (decode,) = [s for s in replica_stats(serve_url) if s["pool"] == "decode"]
+    assert decode["blocks_in_use"] == 0 and decode["num_remote"] == 0  # nothing was reserved
+
+
+def test_wedged_decode_engine_fails_its_health_check_and_is_replaced(serve_url, tiny_model_paths):
+    from ray import serve
+
+    args = {"mode": "colocated", "model": str(tiny_model_paths["llama"]), "served_model_name": "tiny",
+            "engine": {"num_blocks": 64}, "stall_timeout_s": 2}
+    fresh(config(args, prefill=None, health_check_period_s=1, health_check_timeout_s=10),
+          {"Router": 1, "DecodePool": 1})
+    (before,) = [s["replica"] for s in replica_stats(serve_url) if s["pool"] == "decode"]
+    serve.get_deployment_handle("DecodePool", APP).inject_fault.remote("wedge").result(timeout_s=10)
+
+    def replaced() -> bool:
+        ids = [s["replica"] for s in replica_stats(serve_url, settle_s=0.5) if s["pool"] == "decode"]
+        return bool(ids) and before not in ids and running_replicas() == {"Router": 1, "DecodePool": 1}
+
+    wait_for(replaced, 90, "a new decode replica in place of the wedged one")
+    status, _, body = raw_post(serve_url, {"model": "tiny", "max_tokens": 4, "ignore_eos": True,
+                                           "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 200 and body["usage"]["completion_tokens"] == 4
+
+
+def test_decode_pool_whose_constructor_fails_gets_503_not_a_hang(serve_url, tiny_model_paths):
+    from ray import serve
+
+    args = {"mode": "colocated", "model": str(tiny_model_paths["llama"]), "served_model_name": "tiny",
+            "engine": {"cpu_kv_cache_bytes": 1 << 50}}  # no machine has a PiB: the constructor raises
+    serve.delete(APP)
+    apply_config(config(args, prefill=None))
+    wait_for(lambda: running_replicas(settled=False).get("Router") == 1, 120, "the router to run")
+    start = time.monotonic()
+    status, headers, body = raw_post(serve_url, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 503 and headers.get("retry-after") == "1", (status, body)
+    assert "DecodePool" in body["error"]["message"] and time.monotonic() - start < 3.0
+    serve.delete(APP)
+
+
+def stream_text(url: str, content: str, max_tokens: int, on_chunk=None) -> tuple[str, str | None, dict | None]:
+    """Stream a greedy chat completion over raw HTTP: (text, finish_reason, error object)."""
+    import http.client
+    import json
+
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": True}
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    text, finish, error, n = [], None, None, 0
+    for raw in resp:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            error = chunk["error"]
+            continue
+        choice = chunk["choices"][0]
+        text.append(choice["delta"].get("content") or "")
+        finish = choice["finish_reason"] or finish
+        n += 1
+        if on_chunk is not None:
+            on_chunk(n)
+    conn.close()
+    return "".join(text), finish, error
+
+
+def kill_the_busy_decode_replica(url: str) -> None:
+    busy = [s for s in replica_stats(url, settle_s=0.6) if s["pool"] == "decode" and s["num_running"] > 0]
+    assert len(busy) == 1, busy
+    os.kill(busy[0]["pid"], signal.SIGKILL)
+
+
+def test_decode_replica_killed_mid_stream_the_stream_moves_to_another(serve_url):
+    args = load_config("colocated.yaml")["applications"][0]["args"]
+    args["engine"] = {**args["engine"], "cpu_kv_cache_bytes": 256 << 20}
+    prompt = "Tell me a long story about a lighthouse keeper."
+    fresh(config(args, prefill=None, decode=2), {"Router": 1, "DecodePool": 2})
+    reference, finish, error = stream_text(serve_url, prompt, 160)
+    assert finish == "length" and error is None
+
+    killed = threading.Event()
+
+    def kill_at(n: int) -> None:
+        if n == 40 and not killed.is_set():
+            killed.set()
+            kill_the_busy_decode_replica(serve_url)
+
+    moved, finish, error = stream_text(serve_url, prompt, 160, on_chunk=kill_at)
+    assert killed.is_set()
+    assert error is None and finish == "length"
+    assert moved == reference  # greedy: the other replica went on exactly where the dead one stopped
+
+    # migration off: the client is told, with an error chunk and no clean finish
+    fresh(config({**args, "max_migrations": 0}, prefill=None, decode=2), {"Router": 1, "DecodePool": 2})
+    killed.clear()
+    cut, finish, error = stream_text(serve_url, prompt, 160, on_chunk=kill_at)
+    assert killed.is_set() and finish is None
+    assert error is not None and error["code"] == 503 and reference.startswith(cut)
+    wait_for(lambda: running_replicas() == {"Router": 1, "DecodePool": 2}, 120, "the killed replica replaced")
+    for s in replica_stats(serve_url, settle_s=6.0):
+        assert s["blocks_in_use"] == 0 and s["num_running"] == 0, s
