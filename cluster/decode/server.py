@@ -84,10 +84,16 @@ class DecodeServer:
         finally:
             if self.connector is not None:
                 self.connector.cancel(request_id)
-            await self.engine.close_stream(request_id)
-            if not stream.finished:  # the caller went away: R is aborted and its blocks are free
-                self.counters["aborted"] += 1
-                self.last_abort_at = time.time()
+            # Closing runs as its own task: a caller that cancels us again while we wait must not
+            # cut it short, nor the bookkeeping after it.
+            closing = asyncio.ensure_future(self.engine.close_stream(request_id))
+            if not stream.finished:  # the caller went away: R is aborted and its blocks freed
+                closing.add_done_callback(self._aborted)
+            await asyncio.shield(closing)
+
+    def _aborted(self, _: asyncio.Future) -> None:
+        self.counters["aborted"] += 1
+        self.last_abort_at = time.time()
 
     async def _remote_prefill(self, rid: str, prompt: list[int], params: SamplingParams,
                               prefill: PrefillClient) -> Any:

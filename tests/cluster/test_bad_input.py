@@ -192,15 +192,24 @@ def test_overload_beyond_the_limit_is_a_fast_503_and_admitted_requests_finish(ur
     import concurrent.futures
     import time
 
-    deploy(app_args(str(tiny_model_paths["llama"]), max_concurrent_requests=3))
-    long = chat(max_tokens=1000, ignore_eos=True, temperature=0)
+    # one sequence at a time on the engine and 4 samples of 500 tokens per request, so three
+    # requests stay in flight for seconds even on the tiny model
+    args = app_args(str(tiny_model_paths["llama"]), max_concurrent_requests=3)
+    args["engine"] = {**args["engine"], "max_num_seqs": 1}
+    deploy(args)
+    long = chat(max_tokens=500, ignore_eos=True, temperature=0, n=4)
     try:
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             def admitted(_):
                 status, _, raw = request(url, "POST", CHAT, long)
                 return status, time.monotonic(), json.loads(raw)
             running = [pool.submit(admitted, i) for i in range(3)]
-            time.sleep(1.0)
+            deadline = time.monotonic() + 30
+            while True:  # all three are inside the server
+                (d,) = replica_stats(url, settle_s=0.2)
+                if d["num_running"] + d["num_waiting"] > 2 * 4:  # more than two requests' samples
+                    break
+                assert time.monotonic() < deadline, "the three requests never were in flight together"
             t0 = time.monotonic()
             status, headers, raw = request(url, "POST", CHAT, chat())
             refused_at = time.monotonic()
@@ -208,9 +217,9 @@ def test_overload_beyond_the_limit_is_a_fast_503_and_admitted_requests_finish(ur
         assert status == 503 and headers.get("retry-after") == "1", (status, raw)
         assert json.loads(raw)["error"]["code"] == "overloaded"
         assert refused_at - t0 < 0.5  # refused at once, not queued
-        for status, finished_at, body in results:  # what was admitted still completes, untouched
-            assert status == 200 and body["usage"]["completion_tokens"] == 1000
-            assert finished_at > refused_at  # they were in flight when the fourth was refused
+        for status, _, body in results:  # what was admitted still completes, untouched
+            assert status == 200 and body["usage"]["completion_tokens"] == 4 * 500
+        assert max(finished for _, finished, _ in results) > refused_at
         assert request(url, "POST", CHAT, chat())[0] == 200  # room again
     finally:
         deploy(app_args(str(tiny_model_paths["llama"])))

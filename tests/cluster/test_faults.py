@@ -202,3 +202,39 @@ def test_decode_replica_killed_mid_stream_the_stream_moves_to_another(serve_url)
     wait_for(lambda: running_replicas() == {"Router": 1, "DecodePool": 2}, 120, "the killed replica replaced")
     for s in replica_stats(serve_url, settle_s=6.0):
         assert s["blocks_in_use"] == 0 and s["num_running"] == 0, s
+
+
+def test_decode_replica_killed_after_prefill_the_prefill_blocks_return_within_the_lease(serve_url):
+    args = load_config("serve-shared-store.yaml")["applications"][0]["args"]
+    args["engine"] = {**args["engine"], "max_num_batched_tokens": 256, "cpu_kv_cache_bytes": 256 << 20}
+    args["kv_transfer"] = {**args["kv_transfer"], "lease_s": 3}
+    fresh(config(args, prefill=1, decode=2), {"Router": 1, "DecodePool": 2, "PrefillPool": 1})
+    c = client(serve_url)
+    result: dict = {}
+
+    def ask() -> None:
+        try:
+            r = c.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=8,
+                                          messages=[{"role": "user", "content": LONG}])
+            result["finish"] = r.choices[0].finish_reason
+        except Exception as exc:
+            result["error"] = repr(exc)
+
+    worker = threading.Thread(target=ask)
+    worker.start()
+    deadline, waiting = time.monotonic() + 30, None
+    while waiting is None and time.monotonic() < deadline:  # the decode replica waiting on the prefill
+        waiting = next((s for s in replica_stats(serve_url, settle_s=0.3)
+                        if s["pool"] == "decode" and s["num_remote"] > 0), None)
+    assert waiting is not None, "no decode replica ever reserved the prompt"
+    os.kill(waiting["pid"], signal.SIGKILL)
+    t = time.monotonic()
+    worker.join(timeout=120)
+    assert result.get("finish") == "length", result  # the stream moved to the other decode replica
+
+    def prefill_idle() -> bool:
+        (p,) = [s for s in replica_stats(serve_url, settle_s=0.5) if s["pool"] == "prefill"]
+        return p["blocks_in_use"] == 0 and p["leases"] == 0
+
+    wait_for(prefill_idle, 30, "the prefill replica to free the dead decode replica's blocks")
+    assert time.monotonic() - t < 3 + 8  # the lease (3 s), the reaper's period and the stats' lag

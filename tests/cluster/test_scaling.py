@@ -1,6 +1,7 @@
 """Must-show 4 of the cluster issue: under a steady request stream, redeploying the Serve config
 with 1P1D → 2P1D → 1P2D changes the pools (Serve's replica counts, and every new replica serves)
-and no request fails. Deployed the way `serve deploy configs/serve.yaml` deploys: the whole
+and no request fails; then back to 1P1D, the leaving decode replica draining its streams
+(reliability fault 11: scale-down under load). Deployed the way `serve deploy configs/serve.yaml` deploys: the whole
 config, pool sizes and actor options from YAML, handed to the Serve controller."""
 
 from __future__ import annotations
@@ -106,14 +107,19 @@ def test_redeploying_pool_sizes_under_load_fails_no_request(serve_url):
         wait_for(pools_are(1, 2), 240, "1 prefill + 2 decode replicas")
         wait_for(lambda: len([n for n in per_replica(serve_url, "decode", "kv_landed").values() if n > 0]) == 2,
                  120, "both decode replicas to admit transferred KV")
+        # scale-down of the decode pool under load: the leaving replica drains its streams
+        t_1p1d = time.monotonic()
+        apply_config(sized(1, 1))
+        wait_for(pools_are(1, 1), 240, "back to 1 prefill + 1 decode replica")
         t_end = time.monotonic()
         wait_for(lambda: load.completed_since(t_end) >= 3, 120, "requests after the last change")
 
     assert not load.failures, load.failures
-    assert load.completed_since(t_2p1d) > load.completed_since(t_1p2d) > load.completed_since(t_end) >= 3
+    assert (load.completed_since(t_2p1d) > load.completed_since(t_1p2d) > load.completed_since(t_1p1d)
+            > load.completed_since(t_end) >= 3)
     assert len(prefill_replicas) == 2
     stats = replica_stats(serve_url, settle_s=6.0)  # past the board's staleness window: only live replicas
-    assert sorted(s["pool"] for s in stats) == ["decode", "decode", "prefill"]
+    assert sorted(s["pool"] for s in stats) == ["decode", "prefill"]
     for s in stats:
         assert s["blocks_in_use"] == 0 and s["num_running"] == 0 and s["num_waiting"] == 0, s
     serve.delete(APP)
