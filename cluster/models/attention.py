@@ -10,7 +10,9 @@ A step's tokens are flattened into one batch, decode tokens first:
 Decodes run the Triton paged kernel on CUDA. On CPU the runner instead precomputes, once per
 step, each decode sequence's cache slots and validity mask (`CpuDecodeIndex`); every layer
 then gathers its K/V rows with one index and calls SDPA, about 2x faster than walking block
-tables per layer.
+tables per layer. Sequences are grouped by context length first (`DecodeGroup`), so a batch
+of short chats with a few long documents does not pad every chat to the longest context:
+one gather and one SDPA call per group.
 """
 
 from __future__ import annotations
@@ -32,9 +34,15 @@ class PrefillChunk:
 
 
 @dataclass(frozen=True)
+class DecodeGroup:
+    rows: torch.Tensor  # [b] int64: which decode sequences (rows of q)
+    slots: torch.Tensor  # [b, Lmax] int64: cache slot of every context position
+    valid: torch.Tensor  # [b, 1, 1, Lmax] bool: position < context_len
+
+
+@dataclass(frozen=True)
 class CpuDecodeIndex:
-    slots: torch.Tensor  # [Bd, Lmax] int64: cache slot of every context position
-    valid: torch.Tensor  # [Bd, 1, 1, Lmax] bool: position < context_len
+    groups: tuple[DecodeGroup, ...]  # sequences of similar context length
 
 
 @dataclass(frozen=True)
@@ -48,11 +56,25 @@ class AttentionMetadata:
 
 
 def cpu_decode_index(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> CpuDecodeIndex:
-    """block_tables [Bd, W] int32, context_lens [Bd] → slots and mask for the gathered path."""
+    """block_tables [Bd, W] int32, context_lens [Bd] → per length group, slots and mask for the
+    gathered path. A group starts where a context is longer than max(2x, +256) its first one,
+    so padding never more than about doubles a group's gather."""
     lens = context_lens.long()
-    pos = torch.arange(int(lens.max()), device=lens.device)  # [Lmax]
-    blocks = block_tables.long()[:, pos // block_size]  # [Bd, Lmax]
-    return CpuDecodeIndex(blocks * block_size + pos % block_size, (pos < lens[:, None])[:, None, None, :])
+    order = torch.argsort(lens).tolist()
+    values = lens.tolist()
+    groups: list[list[int]] = []
+    for i in order:
+        if not groups or values[i] > max(2 * values[groups[-1][0]], values[groups[-1][0]] + 256):
+            groups.append([])
+        groups[-1].append(i)
+    out = []
+    for members in groups:
+        rows = torch.tensor(members, dtype=torch.long, device=lens.device)
+        glens = lens[rows]
+        pos = torch.arange(int(glens.max()), device=lens.device)  # [Lmax of the group]
+        blocks = block_tables.long()[rows][:, pos // block_size]  # [b, Lmax]
+        out.append(DecodeGroup(rows, blocks * block_size + pos % block_size, (pos < glens[:, None])[:, None, None, :]))
+    return CpuDecodeIndex(tuple(out))
 
 
 def paged_attention(
@@ -90,11 +112,14 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta:
         return ops.paged_decode_attention(
             q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
     num_kv_heads, head_dim = k_cache.shape[-2:]
-    keys = k_cache.view(-1, num_kv_heads, head_dim)[index.slots].transpose(1, 2)  # [Bd, Hkv, L, D]
-    values = v_cache.view(-1, num_kv_heads, head_dim)[index.slots].transpose(1, 2)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=index.valid,
-                                         scale=scale, enable_gqa=True)  # [Bd, Hq, 1, D]
-    return out.squeeze(2)
+    flat_k, flat_v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
+    out = torch.empty_like(q)
+    for g in index.groups:
+        keys = flat_k[g.slots].transpose(1, 2)  # [b, Hkv, L, D]
+        values = flat_v[g.slots].transpose(1, 2)
+        out[g.rows] = F.scaled_dot_product_attention(q[g.rows].unsqueeze(2), keys, values, attn_mask=g.valid,
+                                                     scale=scale, enable_gqa=True).squeeze(2)  # [b, Hq, D]
+    return out
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

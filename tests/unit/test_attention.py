@@ -64,6 +64,16 @@ def test_mixed_step_of_decodes_and_prefill_chunks_equals_dense_attention(cpu_ind
 def test_cpu_decode_index_masks_positions_past_each_context():
     index = cpu_decode_index(torch.tensor([[3, 1], [2, 0]], dtype=torch.int32),
                              torch.tensor([6, 2], dtype=torch.int32), BS)
-    assert index.slots[0].tolist() == [12, 13, 14, 15, 4, 5]
-    assert index.slots[1, :2].tolist() == [8, 9]
-    assert index.valid[:, 0, 0].tolist() == [[True] * 6, [True, True] + [False] * 4]
+    (group,) = index.groups  # 2 and 6 are close enough to share one padded gather
+    by_row = {r: i for i, r in enumerate(group.rows.tolist())}
+    assert group.slots[by_row[0]].tolist() == [12, 13, 14, 15, 4, 5]
+    assert group.slots[by_row[1], :2].tolist() == [8, 9]
+    assert group.valid[by_row[0], 0, 0].tolist() == [True] * 6
+    assert group.valid[by_row[1], 0, 0].tolist() == [True, True] + [False] * 4
+
+
+def test_cpu_decode_groups_split_long_contexts_from_short_ones():
+    tables = torch.arange(4 * 160, dtype=torch.int32).view(4, 160)
+    index = cpu_decode_index(tables, torch.tensor([600, 20, 30, 640], dtype=torch.int32), BS)
+    assert [sorted(g.rows.tolist()) for g in index.groups] == [[1, 2], [0, 3]]
+    assert [g.slots.shape[1] for g in index.groups] == [30, 640]  # the chats are not padded to 640
