@@ -22,6 +22,7 @@ class PoolReplica:
         self.replica_id = ctx.replica_id.unique_id
         self.app_name = ctx.app_name
         self._poster: asyncio.Task | None = None
+        self.faults: set[str] = set()  # armed by inject_fault (tests only)
 
     async def stats(self) -> dict[str, Any]:
         return {"pool": self.pool, "replica": self.replica_id, "pid": os.getpid(), **await self.server.stats()}
@@ -43,14 +44,20 @@ class PoolReplica:
         self._ensure_posting()
         self.server.check_health()
 
+    faults_known = ("wedge",)
+
     async def inject_fault(self, kind: str) -> None:
-        """Tests only, with TANDEM_FAULT_INJECTION=1 in the replica's environment:
-        'wedge' stops the engine for good (what the health check must catch)."""
+        """Tests only, with TANDEM_FAULT_INJECTION=1 in the replica's environment. 'wedge' stops
+        the engine for good (what the health check must catch); the pools add their own kinds,
+        armed for the next request (`self.faults`)."""
         if os.environ.get("TANDEM_FAULT_INJECTION") != "1":
             raise PermissionError("fault injection is off (TANDEM_FAULT_INJECTION=1 enables it)")
-        if kind != "wedge":
-            raise ValueError(f"unknown fault {kind!r}")
-        self.server.wedge()
+        if kind not in self.faults_known:
+            raise ValueError(f"unknown fault {kind!r}; known: {self.faults_known}")
+        if kind == "wedge":
+            self.server.wedge()
+        else:
+            self.faults.add(kind)
 
     def _ensure_posting(self) -> None:
         if self._poster is None or self._poster.done():

@@ -66,6 +66,7 @@ class DecodeServer:
         self.engine = AsyncEngine(engine)
         self.counters: Counter[str] = Counter()
         self.last_abort_at = 0.0  # wall time an abandoned request's blocks were last freed
+        self.faults: set[str] = set()  # tests: 'delay_fetch' waits 1.5 s before the next fetch
         self._acks: set[asyncio.Task] = set()
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -116,6 +117,9 @@ class DecodeServer:
             return None  # recomputed here from the prompt
         packed = error = None
         if not handoff.finished:
+            if "delay_fetch" in self.faults:
+                self.faults.discard("delay_fetch")
+                await asyncio.sleep(1.5)
             try:
                 packed = await asyncio.to_thread(worker.fetch, rid, handoff)
             except KVTransferError as exc:

@@ -238,3 +238,26 @@ def test_decode_replica_killed_after_prefill_the_prefill_blocks_return_within_th
 
     wait_for(prefill_idle, 30, "the prefill replica to free the dead decode replica's blocks")
     assert time.monotonic() - t < 3 + 8  # the lease (3 s), the reaper's period and the stats' lag
+
+
+def test_prefill_dies_after_putting_the_kv_the_failure_policy_recomputes(serve_url):
+    from ray import serve
+
+    args = load_config("serve-shared-store.yaml")["applications"][0]["args"]
+    args["engine"] = {**args["engine"], "cpu_kv_cache_bytes": 256 << 20}
+    fresh(config(args, prefill=1), {"Router": 1, "DecodePool": 1, "PrefillPool": 1})
+    c = client(serve_url)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    expected = c.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=12,
+                                         messages=question).choices[0].message.content
+    # the prefill replica puts R's KV in the object store, answers, and dies 0.3 s later; the
+    # decode replica fetches after 1.5 s: the KV's owner is gone, so the fetch fails
+    serve.get_deployment_handle("PrefillPool", APP).inject_fault.remote("exit_after_handoff").result(timeout_s=10)
+    serve.get_deployment_handle("DecodePool", APP).inject_fault.remote("delay_fetch").result(timeout_s=10)
+    r = c.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=12, messages=question)
+    assert r.choices[0].message.content == expected  # recomputed on the decode replica: same text
+    (decode,) = [s for s in replica_stats(serve_url) if s["pool"] == "decode"]
+    assert decode["recomputed"] >= 1 and any(k.startswith("kv_failed_") and v for k, v in decode.items()), decode
+    assert decode["blocks_in_use"] == 0 and decode["num_remote"] == 0
+    wait_for(lambda: running_replicas() == {"Router": 1, "DecodePool": 1, "PrefillPool": 1}, 120,
+             "the dead prefill replica replaced")
