@@ -26,8 +26,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cluster.loadgen import WORKLOADS, Workload, run_workload  # noqa: E402
+from local_cluster import deployed, free_port, local_ray, replica_stats  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -68,46 +70,30 @@ def measure(url: str, workloads: list[Workload], replicas: int) -> dict[str, Any
 
 
 def bench_tandem(configs: dict[str, str], workloads: list[Workload], cpus: int) -> dict[str, Any]:
-    import ray
-    from ray import serve
-
-    from cluster.serve_config import apply_serve_config, load_yaml
-
     out = {}
-    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    url = f"http://127.0.0.1:{port}"
-    try:
+    with local_ray(cpus) as url:
         for system, path in configs.items():
-            config = load_yaml(ROOT / path)
-            app = config["applications"][0]
-            replicas = sum(d.get("num_replicas", 1) for d in app["deployments"] if d["name"] == "DecodePool")
             log(f"{system}: deploying {path}")
-            apply_serve_config(config)
-            wait_running(app["name"], 600)
-            wait_http(f"{url}/health", 120)
-            out[system] = {"config": path, **measure(url, workloads, replicas)}
-            serve.delete(app["name"])
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+            with deployed(path) as app:
+                replicas = sum(d.get("num_replicas", 1) for d in app["deployments"] if d["name"] == "DecodePool")
+                wait_http(f"{url}/health", 120)
+                out[system] = {"config": path, **measure(url, workloads, replicas),
+                               "replica_counters": counters(url)}
     return out
 
 
-def wait_running(app_name: str, timeout_s: float) -> None:
-    from ray import serve
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        app = serve.status().applications.get(app_name)
-        status = str(getattr(app, "status", "")).split(".")[-1]
-        if status == "RUNNING":
-            return
-        if status == "DEPLOY_FAILED":
-            raise RuntimeError(f"{app_name} failed to deploy: {app.message}")
-        time.sleep(1)
-    raise TimeoutError(f"{app_name} not RUNNING after {timeout_s:.0f} s")
+def counters(url: str) -> dict[str, dict[str, int]]:
+    """How each pool's replicas handled the requests (hand-offs landed, recomputed, prefilled
+    locally for lack of room, ...): what explains a latency figure."""
+    keep = ("kv_landed", "recomputed", "prefilled_locally_no_room", "prefill_failed", "prefill_retried",
+            "num_preemptions", "acked", "lease_expired", "kv_sent")
+    out: dict[str, dict[str, int]] = {}
+    for s in replica_stats(url):
+        pool = out.setdefault(s["pool"], {})
+        for k, v in s.items():
+            if k in keep or k.startswith("kv_failed_"):
+                pool[k] = pool.get(k, 0) + int(v)
+    return out
 
 
 def bench_vllm(python: str, model_path: str, workloads: list[Workload]) -> dict[str, Any]:
@@ -130,14 +116,6 @@ def bench_vllm(python: str, model_path: str, workloads: list[Workload]) -> dict[
         except subprocess.TimeoutExpired:
             proc.kill()
         logf.close()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
