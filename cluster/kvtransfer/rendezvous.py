@@ -128,5 +128,3 @@ def control(actor: Any, op: str, args: dict[str, Any], timeout_s: float) -> Any:
         if isinstance(cause, KVTransferError):
             raise type(cause)(str(cause)) from None
         raise KVTransferError(f"peer failed {op!r}: {cause!r}") from None
-    except KVTransferError as exc:
-        raise type(exc)(str(exc)) from None

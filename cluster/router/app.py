@@ -124,7 +124,7 @@ def _as_api_error(exc: BaseException) -> APIError:
                         headers={"Retry-After": "1"})
     if isinstance(exc, ValueError):  # the engine's own checks (prompt, limits)
         return APIError(400, str(exc)[:500])
-    if isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
+    if _replica_lost(exc):
         return APIError(503, "a replica was lost; retry", type_="server_error", headers={"Retry-After": "1"})
     return APIError(500, f"internal error: {type(exc).__name__}", type_="internal_error")
 

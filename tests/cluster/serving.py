@@ -3,8 +3,10 @@ HTTP (the `openai` SDK, /debug/stats), and read Serve's own view of the pools.""
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
+import threading
 import time
 import urllib.request
 from typing import Any, Callable
@@ -74,3 +76,53 @@ def replica_stats(url: str, settle_s: float = 3.0) -> list[dict[str, Any]]:
     time.sleep(settle_s)
     with urllib.request.urlopen(f"{url}/debug/stats", timeout=10) as r:
         return json.load(r)["replicas"]
+
+
+def http_request(url: str, method: str, path: str, body: bytes | None = None,
+            headers: dict[str, str] | list[tuple[str, str]] | None = None) -> tuple[int, dict[str, str], bytes]:
+    """One raw HTTP exchange (any bytes, any headers): (status, lower-cased headers, body)."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        conn.putrequest(method, path)
+        items = headers.items() if isinstance(headers, dict) else (headers or [])
+        names = {k.lower() for k, _ in items}
+        for k, v in items:
+            conn.putheader(k, v)
+        if "content-type" not in names and body is not None:
+            conn.putheader("Content-Type", "application/json")
+        conn.putheader("Content-Length", str(len(body or b"")))
+        conn.endheaders(body)
+        r = conn.getresponse()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+    finally:
+        conn.close()
+
+
+def wait_for_replica(url: str, predicate: Callable[[dict[str, Any]], bool], timeout_s: float,
+                     what: str) -> dict[str, Any]:
+    """The first replica whose posted stats satisfy `predicate`, polled every ~0.3 s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = next((s for s in replica_stats(url, settle_s=0.3) if predicate(s)), None)
+        if found is not None:
+            return found
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def chat_in_background(url: str, content: str, max_tokens: int) -> tuple[threading.Thread, dict[str, Any]]:
+    """A greedy chat completion on its own thread; the dict gets finish/tokens, or error."""
+    result: dict[str, Any] = {}
+
+    def ask() -> None:
+        try:
+            r = client(url).chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0,
+                                                    max_tokens=max_tokens,
+                                                    messages=[{"role": "user", "content": content}])
+            result["finish"], result["tokens"] = r.choices[0].finish_reason, r.usage.completion_tokens
+        except Exception as exc:
+            result["error"] = repr(exc)
+
+    thread = threading.Thread(target=ask)
+    thread.start()
+    return thread, result

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from serving import args_of, deploy, replica_stats
+from serving import args_of, deploy, replica_stats, wait_for_replica
 
 pytestmark = pytest.mark.slow
 
@@ -64,18 +64,11 @@ def settled(url: str, aborted_after: float | None = None, pools: tuple[str, ...]
         time.sleep(0.2)
 
 
-def wait_until_prefilling(url: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if any(s["pool"] == "prefill" and s["queued_prompt_tokens"] > 0 for s in replica_stats(url, settle_s=0.2)):
-            return
-    raise AssertionError("the prefill replica never started on the prompt")
-
-
 def test_hang_up_during_prefill_aborts_in_both_pools_within_1s(url):
     before = {s["pool"]: s for s in replica_stats(url, settle_s=0.6)}
     conn = open_stream(url, LONG, 32)
-    wait_until_prefilling(url)  # the prompt (~3.3k tokens) takes seconds to prefill: we are inside it
+    # the prompt (~3.3k tokens) takes seconds to prefill: hang up inside it
+    wait_for_replica(url, lambda s: s["pool"] == "prefill" and s["queued_prompt_tokens"] > 0, 30, "the prefill")
     t = hang_up(conn)
     stats = settled(url, t, ("prefill", "decode"))
     for pool in ("prefill", "decode"):

@@ -7,13 +7,13 @@ replica; bodies limited to 64 KiB so the 413 case stays small."""
 
 from __future__ import annotations
 
-import http.client
 import json
 import pickle
 
 import pytest
 
 from serving import deploy, replica_stats
+from serving import http_request as request
 
 pytestmark = pytest.mark.slow
 
@@ -31,26 +31,6 @@ def app_args(model_path: str, **extra) -> dict:
 def url(serve_url, tiny_model_paths):
     deploy(app_args(str(tiny_model_paths["llama"])))
     return serve_url
-
-
-def request(url: str, method: str, path: str, body: bytes | None = None,
-            headers: dict[str, str] | list[tuple[str, str]] | None = None) -> tuple[int, dict[str, str], bytes]:
-    host, port = url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=60)
-    try:
-        conn.putrequest(method, path)
-        items = headers.items() if isinstance(headers, dict) else (headers or [])
-        names = {k.lower() for k, _ in items}
-        for k, v in items:
-            conn.putheader(k, v)
-        if "content-type" not in names and body is not None:
-            conn.putheader("Content-Type", "application/json")
-        conn.putheader("Content-Length", str(len(body or b"")))
-        conn.endheaders(body)
-        r = conn.getresponse()
-        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
-    finally:
-        conn.close()
 
 
 def chat(**fields) -> bytes:

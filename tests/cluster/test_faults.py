@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from serving import APP, apply_config, client, load_config, replica_stats, running_replicas, wait_for
+from serving import (APP, apply_config, chat_in_background, client, http_request, load_config, replica_stats,
+                     running_replicas, wait_for, wait_for_replica)
 
 pytestmark = pytest.mark.slow
 
@@ -41,43 +42,21 @@ def fresh(cfg: dict, want: dict[str, int], timeout_s: float = 240, settled: bool
     wait_for(lambda: running_replicas(settled) == want, timeout_s, f"replicas {want}")
 
 
-def raw_post(url: str, body: dict, timeout: float = 30) -> tuple[int, dict, dict]:
-    import http.client
+def post_chat(url: str, body: dict) -> tuple[int, dict, dict]:
     import json
 
-    host, port = url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
-    try:
-        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
-        r = conn.getresponse()
-        return r.status, {k.lower(): v for k, v in r.getheaders()}, json.loads(r.read())
-    finally:
-        conn.close()
+    status, headers, raw = http_request(url, "POST", "/v1/chat/completions", json.dumps(body).encode())
+    return status, headers, json.loads(raw)
 
 
 def test_prefill_replica_killed_before_handoff_is_retried_on_another(serve_url):
     args = load_config("serve-tcp.yaml")["applications"][0]["args"]
     args["engine"] = {**args["engine"], "max_num_batched_tokens": 256, "cpu_kv_cache_bytes": 256 << 20}
     fresh(config(args, prefill=2), {"Router": 1, "DecodePool": 1, "PrefillPool": 2})
-    c = client(serve_url)
-    result: dict = {}
-
-    def ask() -> None:
-        try:
-            r = c.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=8,
-                                          messages=[{"role": "user", "content": LONG}])
-            result["finish"], result["tokens"] = r.choices[0].finish_reason, r.usage.completion_tokens
-        except Exception as exc:
-            result["error"] = repr(exc)
-
-    worker = threading.Thread(target=ask)
-    worker.start()
-    deadline = time.monotonic() + 30
-    busy = None
-    while busy is None and time.monotonic() < deadline:  # the replica that is prefilling our prompt
-        busy = next((s for s in replica_stats(serve_url, settle_s=0.3)
-                     if s["pool"] == "prefill" and s["queued_prompt_tokens"] > 0), None)
-    assert busy is not None, "no prefill replica ever took the prompt"
+    worker, result = chat_in_background(serve_url, LONG, 8)
+    # the replica that is prefilling our prompt
+    busy = wait_for_replica(serve_url, lambda s: s["pool"] == "prefill" and s["queued_prompt_tokens"] > 0, 30,
+                            "a prefill replica to take the prompt")
     os.kill(busy["pid"], signal.SIGKILL)
     worker.join(timeout=120)
     assert result.get("finish") == "length" and result.get("tokens") == 8, result
@@ -93,7 +72,7 @@ def test_no_prefill_replica_is_a_fast_503(serve_url, tiny_model_paths):
     fresh(config(args, prefill=1, prefill_resources={"gpu_node": 1}), {"Router": 1, "DecodePool": 1, "PrefillPool": 0},
           settled=False)
     start = time.monotonic()
-    status, headers, body = raw_post(serve_url, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+    status, headers, body = post_chat(serve_url, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
     assert status == 503 and headers.get("retry-after") == "1", (status, body)
     assert body["error"]["code"] == "pool_unavailable" and "PrefillPool" in body["error"]["message"]
     assert time.monotonic() - start < 3.0
@@ -116,7 +95,7 @@ def test_wedged_decode_engine_fails_its_health_check_and_is_replaced(serve_url, 
         return bool(ids) and before not in ids and running_replicas() == {"Router": 1, "DecodePool": 1}
 
     wait_for(replaced, 90, "a new decode replica in place of the wedged one")
-    status, _, body = raw_post(serve_url, {"model": "tiny", "max_tokens": 4, "ignore_eos": True,
+    status, _, body = post_chat(serve_url, {"model": "tiny", "max_tokens": 4, "ignore_eos": True,
                                            "messages": [{"role": "user", "content": "hi"}]})
     assert status == 200 and body["usage"]["completion_tokens"] == 4
 
@@ -130,7 +109,7 @@ def test_decode_pool_whose_constructor_fails_gets_503_not_a_hang(serve_url, tiny
     apply_config(config(args, prefill=None))
     wait_for(lambda: running_replicas(settled=False).get("Router") == 1, 120, "the router to run")
     start = time.monotonic()
-    status, headers, body = raw_post(serve_url, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+    status, headers, body = post_chat(serve_url, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
     assert status == 503 and headers.get("retry-after") == "1", (status, body)
     assert "DecodePool" in body["error"]["message"] and time.monotonic() - start < 3.0
     serve.delete(APP)
@@ -209,24 +188,10 @@ def test_decode_replica_killed_after_prefill_the_prefill_blocks_return_within_th
     args["engine"] = {**args["engine"], "max_num_batched_tokens": 256, "cpu_kv_cache_bytes": 256 << 20}
     args["kv_transfer"] = {**args["kv_transfer"], "lease_s": 3}
     fresh(config(args, prefill=1, decode=2), {"Router": 1, "DecodePool": 2, "PrefillPool": 1})
-    c = client(serve_url)
-    result: dict = {}
-
-    def ask() -> None:
-        try:
-            r = c.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=8,
-                                          messages=[{"role": "user", "content": LONG}])
-            result["finish"] = r.choices[0].finish_reason
-        except Exception as exc:
-            result["error"] = repr(exc)
-
-    worker = threading.Thread(target=ask)
-    worker.start()
-    deadline, waiting = time.monotonic() + 30, None
-    while waiting is None and time.monotonic() < deadline:  # the decode replica waiting on the prefill
-        waiting = next((s for s in replica_stats(serve_url, settle_s=0.3)
-                        if s["pool"] == "decode" and s["num_remote"] > 0), None)
-    assert waiting is not None, "no decode replica ever reserved the prompt"
+    worker, result = chat_in_background(serve_url, LONG, 8)
+    # the decode replica waiting on the prefill of our prompt
+    waiting = wait_for_replica(serve_url, lambda s: s["pool"] == "decode" and s["num_remote"] > 0, 30,
+                               "a decode replica to reserve the prompt")
     os.kill(waiting["pid"], signal.SIGKILL)
     t = time.monotonic()
     worker.join(timeout=120)
