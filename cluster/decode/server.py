@@ -77,9 +77,7 @@ class DecodeServer:
             if prefill is None or self.worker is None:
                 await self.engine.call(lambda e: e.add_request(request_id, prompt, params))
             else:
-                first = await self._remote_prefill(request_id, prompt, params, prefill)
-                if first is not None:
-                    stream.put(first)
+                await self._remote_prefill(request_id, prompt, params, prefill)
             async for outs in stream:
                 yield [TokenDelta.merge(outs)]
         finally:
@@ -97,14 +95,14 @@ class DecodeServer:
         self.last_abort_at = time.time()
 
     async def _remote_prefill(self, rid: str, prompt: list[int], params: SamplingParams,
-                              prefill: PrefillClient) -> Any:
+                              prefill: PrefillClient) -> None:
         worker = self.worker
         assert worker is not None
         receiver = await self.engine.call(lambda e: worker.reserve(rid, prompt, params))
         if receiver is None:  # no room for R's KV right now: queue it here, prefilled locally
             self.counters["prefilled_locally_no_room"] += 1
             await self.engine.call(lambda e: e.add_request(rid, prompt, params))
-            return None
+            return
         try:
             handoff = await self._prefill_with_retries(rid, prompt, params, receiver, prefill)
         except asyncio.CancelledError:
@@ -114,7 +112,7 @@ class DecodeServer:
             await self.engine.call(lambda e: worker.abandon(rid))
             if worker.policy == "fail":
                 raise PrefillFailed(f"prefill failed: {type(exc).__name__}: {exc}") from exc
-            return None  # recomputed here from the prompt
+            return  # recomputed here from the prompt
         packed = error = None
         if not handoff.finished:
             if "delay_fetch" in self.faults:
@@ -126,7 +124,8 @@ class DecodeServer:
                 error = exc
             finally:  # landed, failed or cancelled: the prefill side may free R's blocks now
                 self._ack(prefill, handoff)
-        return await self.engine.call(lambda e: worker.start(rid, handoff, packed, error))
+        # the first token goes to R's stream from the engine thread, ahead of the steps after it
+        await self.engine.call(lambda e: worker.start(rid, handoff, packed, error), deliver=True)
 
     async def _prefill_with_retries(self, rid: str, prompt: list[int], params: SamplingParams,
                                     receiver: dict[str, Any], prefill: PrefillClient) -> PrefillHandoff:

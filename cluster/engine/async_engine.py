@@ -64,7 +64,8 @@ class AsyncEngine:
         self.idle_wait_s = idle_wait_s
         self.last_step_at = time.monotonic()  # the loop's heartbeat (idle or busy)
         self.steps = 0
-        self._commands: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], asyncio.Future, asyncio.AbstractEventLoop]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], asyncio.Future,
+                                                asyncio.AbstractEventLoop, bool]] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -72,13 +73,17 @@ class AsyncEngine:
         self._thread.start()
 
     # -- asyncio side ------------------------------------------------------------------
-    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
-        """Run `fn(engine)` on the engine thread between steps; its exception is re-raised here."""
+    async def call(self, fn: Callable[[LLMEngine], T], deliver: bool = False) -> T:
+        """Run `fn(engine)` on the engine thread between steps; its exception is re-raised here.
+
+        `deliver`: a `RequestOutput` that fn returns also goes to its request's stream, from the
+        engine thread, so it stays ahead of what the next steps produce (the caller resuming
+        after the await would come after them)."""
         if self._stop.is_set():
             raise RuntimeError("the engine is shut down")
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
-        self._commands.put((fn, fut, loop))
+        self._commands.put((fn, fut, loop, deliver))
         self._wake.set()
         return await fut
 
@@ -127,7 +132,7 @@ class AsyncEngine:
     def wedge(self) -> None:
         """Fault injection: block the step loop for good (tests of the health check)."""
         self._commands.put((lambda e: threading.Event().wait(), asyncio.get_running_loop().create_future(),
-                            asyncio.get_running_loop()))
+                            asyncio.get_running_loop(), False))
         self._wake.set()
 
     # -- engine thread -----------------------------------------------------------------
@@ -152,7 +157,7 @@ class AsyncEngine:
     def _run_commands(self) -> None:
         while True:
             try:
-                fn, fut, loop = self._commands.get_nowait()
+                fn, fut, loop, deliver = self._commands.get_nowait()
             except queue.Empty:
                 return
             try:
@@ -160,6 +165,8 @@ class AsyncEngine:
             except BaseException as exc:
                 loop.call_soon_threadsafe(_settle, fut, None, exc)
             else:
+                if deliver and isinstance(result, RequestOutput):
+                    self._deliver([result])
                 loop.call_soon_threadsafe(_settle, fut, result, None)
 
     def _deliver(self, outs: list[RequestOutput]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -148,3 +149,27 @@ def test_client_gone_mid_stream_frees_blocks(stack):
     dstats, pstats = run(go())
     assert dstats["blocks_in_use"] == 0 and dstats["num_running"] == 0
     assert pstats["blocks_in_use"] == 0
+
+
+def test_first_token_stays_first_when_the_event_loop_is_busy(stack):
+    """The prefill side's first token reaches the stream ahead of the decode steps after it,
+    even when other work holds the event loop while those steps run (Serve's replicas)."""
+    body = chat(temperature=0, max_tokens=10)
+
+    async def go(name: str, busy: bool) -> str:
+        async def hog():
+            while True:
+                time.sleep(0.02)  # other streams, Serve's own work
+                await asyncio.sleep(0)
+
+        task = asyncio.ensure_future(hog()) if busy else None
+        try:
+            r = await asyncio.wait_for(stack[name].chat(body), 60)
+        finally:
+            if task is not None:
+                task.cancel()
+        return r["choices"][0]["message"]["content"]
+
+    want = run(go("colocated", False))
+    for _ in range(3):
+        assert run(go("disagg", True)) == want
