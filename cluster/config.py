@@ -127,7 +127,8 @@ class KVTransferConfig:
     lease_s: prefill frees a request's blocks if decode has not acknowledged by then.
     kv_load_failure_policy: "recompute" (decode prefills the prompt itself) or "fail".
     host/port: where a TCP decode side listens (loopback and a free port by default);
-    advertise_host: the address senders dial, when it differs from host (e.g. 0.0.0.0).
+    advertise_host/advertise_port: the address senders dial, when it differs from where the
+    listener binds (host 0.0.0.0; a port forwarded through NAT, a Kubernetes Service or a relay).
     """
 
     connector: str = "shared_store"
@@ -138,6 +139,7 @@ class KVTransferConfig:
     host: str = "127.0.0.1"
     port: int = 0
     advertise_host: str | None = None
+    advertise_port: int | None = None
 
     def __post_init__(self) -> None:
         if self.connector not in KV_CONNECTORS:
@@ -157,7 +159,8 @@ class KVTransferConfig:
         if self.connector == "tcp":
             if role == "prefill":
                 return {**common, "listen": False}
-            return {**common, "host": self.host, "port": self.port, "advertise_host": self.advertise_host}
+            return {**common, "host": self.host, "port": self.port, "advertise_host": self.advertise_host,
+                    "advertise_port": self.advertise_port}
         if self.connector == "collective":
             return {**common, "host": self.host}
         return common

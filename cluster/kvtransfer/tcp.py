@@ -38,7 +38,7 @@ class TcpConnector(KVConnector):
 
     def __init__(self, layout: KVLayout, *, max_payload_bytes: int = 1 << 30, timeout_s: float = 30.0,
                  host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
-                 listen: bool = True) -> None:
+                 advertise_port: int | None = None, listen: bool = True) -> None:
         super().__init__(layout, max_payload_bytes=max_payload_bytes, timeout_s=timeout_s)
         self._ctx = zmq.Context()
         self._mailbox = Mailbox()
@@ -48,10 +48,10 @@ class TcpConnector(KVConnector):
         self._address: str | None = None
         self._thread: threading.Thread | None = None
         if listen:
-            self._listen(host, port, advertise_host or host)
+            self._listen(host, port, advertise_host or host, advertise_port)
 
     # -- decode side -----------------------------------------------------------------
-    def _listen(self, host: str, port: int, advertise: str) -> None:
+    def _listen(self, host: str, port: int, advertise: str, advertise_port: int | None) -> None:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.MAXMSGSIZE, max(self.max_payload_bytes, MAX_HEADER_BYTES))
         sock.setsockopt(zmq.LINGER, 0)
@@ -59,7 +59,7 @@ class TcpConnector(KVConnector):
             sock.bind(f"tcp://{host}:{port}")
         else:
             port = sock.bind_to_random_port(f"tcp://{host}")
-        self._address = f"tcp://{advertise}:{port}"
+        self._address = f"tcp://{advertise}:{advertise_port or port}"
         self._thread = threading.Thread(target=self._serve, args=(sock,), daemon=True,
                                         name=f"tandem-kv-tcp-{port}")
         self._thread.start()

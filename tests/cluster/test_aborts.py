@@ -34,10 +34,10 @@ def url(serve_url):
 
 
 def open_stream(url: str, content: str, max_tokens: int, stream: bool = True,
-                headers: dict[str, str] | None = None) -> http.client.HTTPConnection:
+                headers: dict[str, str] | None = None, model: str = "SmolLM2-135M-Instruct") -> http.client.HTTPConnection:
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
-    body = json.dumps({"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": content}],
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": content}],
                        "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": stream})
     conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json", **(headers or {})})
     return conn
