@@ -126,7 +126,9 @@ class KVTransferConfig:
     connector: "shared_store" (Ray object store), "tcp" (pyzmq) or "collective" (NCCL/gloo).
     lease_s: prefill frees a request's blocks if decode has not acknowledged by then.
     kv_load_failure_policy: "recompute" (decode prefills the prompt itself) or "fail".
-    host/port: where a TCP decode side listens (loopback and a free port by default);
+    host/port: where a TCP decode side listens (loopback and a free port by default); host
+      "node" = the address Ray uses for this node (pools spread over nodes or pods; also
+      where the collective connector's gloo binds);
     advertise_host/advertise_port: the address senders dial, when it differs from where the
     listener binds (host 0.0.0.0; a port forwarded through NAT, a Kubernetes Service or a relay).
     """
@@ -156,13 +158,18 @@ class KVTransferConfig:
         """Keyword arguments for `create_connector(self.connector, layout, **options)`;
         `role` "prefill" only sends (a TCP prefill side opens no listening socket)."""
         common: dict[str, Any] = {"timeout_s": self.timeout_s, "max_payload_bytes": self.max_payload_bytes}
+        host = self.host
+        if host == "node" and not (self.connector == "tcp" and role == "prefill"):  # a TCP sender binds nothing
+            import ray.util
+
+            host = ray.util.get_node_ip_address()
         if self.connector == "tcp":
             if role == "prefill":
                 return {**common, "listen": False}
-            return {**common, "host": self.host, "port": self.port, "advertise_host": self.advertise_host,
+            return {**common, "host": host, "port": self.port, "advertise_host": self.advertise_host,
                     "advertise_port": self.advertise_port}
         if self.connector == "collective":
-            return {**common, "host": self.host}
+            return {**common, "host": host}
         return common
 
 

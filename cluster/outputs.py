@@ -38,6 +38,8 @@ class RequestOutput:
     finished: bool
     prompt: str | None = None
     num_cached_tokens: int = 0
+    time: float = 0.0  # time.monotonic() when the engine produced it
+    queue_s: float | None = None  # how long the request waited for its first step on this engine
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,7 @@ class TokenDelta:
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    trace: dict | None = None  # on a request's last delta: where and how long each part took
 
     @classmethod
     def merge(cls, outs: list[RequestOutput]) -> TokenDelta:

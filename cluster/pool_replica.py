@@ -20,6 +20,7 @@ class PoolReplica:
         self.server = server  # PrefillServer | DecodeServer: stats(), routing_stats(), close()
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id
+        server.name = self.replica_id
         self.app_name = ctx.app_name
         self._poster: asyncio.Task | None = None
         self.faults: set[str] = set()  # armed by inject_fault (tests only)

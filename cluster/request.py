@@ -52,6 +52,8 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     prefill_only: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
+    ready_at: float = -1.0  # when it could first be scheduled here: arrival, or its remote KV landing
+    queue_s: float | None = None  # from ready_at to the first step that scheduled it
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -62,6 +64,8 @@ class Request:
     num_preemptions: int = 0
 
     def __post_init__(self) -> None:
+        if self.ready_at < 0:
+            self.ready_at = self.arrival_time
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
 

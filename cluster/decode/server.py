@@ -30,6 +30,7 @@ from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import LLMEngine
 from cluster.kvtransfer.base import create_connector
 from cluster.kvtransfer.errors import KVTransferError
+from cluster.metrics import ITL_BUCKETS, Histogram
 from cluster.outputs import TokenDelta
 from cluster.prefill.worker import PrefillHandoff
 from cluster.sampling_params import SamplingParams
@@ -64,6 +65,8 @@ class DecodeServer:
             self.connector = create_connector(kv.connector, engine.kv_layout(), **kv.connector_options("decode"))
             self.worker = DecodeWorker(engine, self.connector, kv.kv_load_failure_policy, kv.timeout_s)
         self.engine = AsyncEngine(engine)
+        self.name = ""  # this replica's id, in traces
+        self.itl = Histogram(ITL_BUCKETS)  # seconds between a request's tokens, engine clock
         self.counters: Counter[str] = Counter()
         self.last_abort_at = 0.0  # wall time an abandoned request's blocks were last freed
         self.faults: set[str] = set()  # tests: 'delay_fetch' waits 1.5 s before the next fetch
@@ -71,15 +74,25 @@ class DecodeServer:
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                        prefill: PrefillClient | None = None) -> AsyncIterator[list[TokenDelta]]:
+        """R's token deltas; the last one carries R's trace (where and how long each part took)."""
         prompt = list(prompt_token_ids)
         stream = self.engine.open(request_id)
+        trace: dict[str, Any] = {"decode_replica": self.name}
         try:
             if prefill is None or self.worker is None:
                 await self.engine.call(lambda e: e.add_request(request_id, prompt, params))
             else:
-                await self._remote_prefill(request_id, prompt, params, prefill)
+                await self._remote_prefill(request_id, prompt, params, prefill, trace)
+            last_at = None
             async for outs in stream:
-                yield [TokenDelta.merge(outs)]
+                for out in outs:  # engine timestamps: one token per step per request
+                    if last_at is not None:
+                        self.itl.observe(out.time - last_at)
+                    last_at = out.time
+                delta = TokenDelta.merge(outs)
+                if delta.finish_reason is not None:
+                    delta.trace = {**trace, "decode_queue_s": outs[-1].queue_s}
+                yield [delta]
         finally:
             if self.connector is not None:
                 self.connector.cancel(request_id)
@@ -95,12 +108,13 @@ class DecodeServer:
         self.last_abort_at = time.time()
 
     async def _remote_prefill(self, rid: str, prompt: list[int], params: SamplingParams,
-                              prefill: PrefillClient) -> None:
+                              prefill: PrefillClient, trace: dict[str, Any]) -> None:
         worker = self.worker
         assert worker is not None
         receiver = await self.engine.call(lambda e: worker.reserve(rid, prompt, params))
         if receiver is None:  # no room for R's KV right now: queue it here, prefilled locally
             self.counters["prefilled_locally_no_room"] += 1
+            trace["kv"] = "no room: prefilled here"
             await self.engine.call(lambda e: e.add_request(rid, prompt, params))
             return
         try:
@@ -109,21 +123,27 @@ class DecodeServer:
             raise
         except Exception as exc:
             self.counters["prefill_failed"] += 1
+            trace["kv"] = f"prefill failed ({type(exc).__name__}): {worker.policy}"
             await self.engine.call(lambda e: worker.abandon(rid))
             if worker.policy == "fail":
                 raise PrefillFailed(f"prefill failed: {type(exc).__name__}: {exc}") from exc
             return  # recomputed here from the prompt
+        trace.update(prefill_replica=handoff.origin, prefill_s=handoff.prefill_s, kv_bytes=handoff.kv_bytes,
+                     kv_send_s=handoff.kv_send_s, kv="ended at the first token" if handoff.finished else "landed")
         packed = error = None
         if not handoff.finished:
             if "delay_fetch" in self.faults:
                 self.faults.discard("delay_fetch")
                 await asyncio.sleep(1.5)
+            fetching = time.monotonic()
             try:
                 packed = await asyncio.to_thread(worker.fetch, rid, handoff)
             except KVTransferError as exc:
                 error = exc
+                trace["kv"] = f"{exc.kind}: {worker.policy}"
             finally:  # landed, failed or cancelled: the prefill side may free R's blocks now
                 self._ack(prefill, handoff)
+            trace["kv_receive_s"] = time.monotonic() - fetching
         # the first token goes to R's stream from the engine thread, ahead of the steps after it
         await self.engine.call(lambda e: worker.start(rid, handoff, packed, error), deliver=True)
 
@@ -160,8 +180,10 @@ class DecodeServer:
             base = await self.engine.call(lambda e: self.worker.stats())
         else:
             base = await self.engine.call(lambda e: e.stats())
-        return {**base, **self.counters, "engine_alive": self.engine.alive,
-                "steps": self.engine.steps, "last_abort_at": self.last_abort_at}
+        histograms = {"vllm:inter_token_latency_seconds": self.itl.to_dict(),
+                      **(self.connector.histograms() if self.connector is not None else {})}
+        return {**base, **self.counters, "engine_alive": self.engine.alive, "steps": self.engine.steps,
+                "last_abort_at": self.last_abort_at, "histograms": histograms}
 
     def check_health(self) -> None:
         self.engine.check_health(self.config.stall_timeout_s)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import time
+from collections import Counter
 from typing import Any, Sequence
 
 import torch
@@ -48,6 +50,8 @@ class LLMEngine:
         self._logprobs: dict[str, list[TokenLogprobs]] = {}
         self._prompts: dict[str, str | None] = {}
         self._ids = itertools.count()
+        # prompt tokens admitted; tokens handed to callers; requests finished, by reason
+        self.counters: Counter[str] = Counter()
 
     # -- requests ------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -61,6 +65,7 @@ class LLMEngine:
             raise OverflowError(f"engine queue is full ({self.config.scheduler.max_waiting} waiting)")
         req = self._new_request(request_id, prompt_ids, params, prefill_only)
         self.scheduler.add(req)
+        self.counters["prompt_tokens"] += len(prompt_ids)
         self._track(req, prompt if isinstance(prompt, str) else None)
         return req
 
@@ -111,7 +116,12 @@ class LLMEngine:
             delta_token_ids=new_tokens,
         )
         result = RequestOutput(req.request_id, req.prompt_token_ids, [out], req.is_finished,
-                               self._prompts.get(req.request_id), req.num_cached_tokens)
+                               self._prompts.get(req.request_id), req.num_cached_tokens, time.monotonic(),
+                               req.queue_s)
+        if not req.prefill_only:  # a prefill-only request's token reaches its caller through decode
+            self.counters["generation_tokens"] += len(new_tokens)
+            if out.finish_reason is not None:
+                self.counters[f"finished_{out.finish_reason}"] += 1
         if req.is_finished and req.status != RequestStatus.FINISHED_PREFILLED:
             self._forget(req.request_id)
         return result
@@ -224,4 +234,5 @@ class LLMEngine:
             "prefix_cache_queries": self.blocks.prefix_queries,
             "prefix_cache_hits": self.blocks.prefix_hits,
             "num_preemptions": self.scheduler.num_preemptions,
+            **self.counters,
         }

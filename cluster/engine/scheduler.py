@@ -13,6 +13,8 @@ of the queue to recompute prompt + output so far.
 
 from __future__ import annotations
 
+import time
+
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -81,6 +83,7 @@ class Scheduler:
     def finish_remote(self, request_id: str, ok: bool, recompute: bool = True) -> None:
         """Remote KV landed (ok) → join the running batch; otherwise recompute locally or fail."""
         req = self.remote.pop(request_id)
+        req.ready_at = time.monotonic()
         if ok:
             req.num_computed_tokens = req.num_prompt_tokens
             self.blocks.cache_full_blocks(req)
@@ -107,6 +110,10 @@ class Scheduler:
             i += 1
         if not plan.preempted:
             self._admit_waiting(plan, budget)
+        now = time.monotonic()
+        for chunk in plan.chunks:
+            if chunk.request.queue_s is None:
+                chunk.request.queue_s = now - chunk.request.ready_at
         return plan
 
     def _reserve_or_preempt(self, req: Request, n: int, plan: StepPlan) -> bool:

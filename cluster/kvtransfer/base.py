@@ -33,6 +33,7 @@ decode cache. Nothing is ever unpickled.
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ import torch
 from cluster.kvtransfer.errors import (KVFrameError, KVLayoutMismatchError, KVPeerGoneError,  # noqa: F401
                                        KVTimeoutError, KVTransferError, KVIntegrityError)
 from cluster.kvtransfer.wire import KVHeader, KVLayout, make_header, parse_header, verify_payload
+from cluster.metrics import KV_TRANSFER_BUCKETS, Histogram
 
 DEFAULT_TIMEOUT_S = 30.0
 
@@ -71,6 +73,7 @@ class KVConnector(ABC):
         self.max_payload_bytes = max_payload_bytes
         self.timeout_s = timeout_s
         self.counters: Counter[str] = Counter()
+        self.transfer_seconds = Histogram(KV_TRANSFER_BUCKETS)  # successful sends and receives
         self._expected: dict[str, Expected] = {}
         self._lock = threading.Lock()
 
@@ -93,6 +96,7 @@ class KVConnector(ABC):
         expected = self.is_expected(request_id)
         if expected is None:
             raise KVFrameError(f"no transfer of {request_id!r} is expected here")
+        start = time.monotonic()
         try:
             header_bytes, payload = self._fetch(expected, receipt, self.timeout_s if timeout_s is None else timeout_s)
             header = self.check_header(header_bytes, expected)
@@ -102,6 +106,7 @@ class KVConnector(ABC):
             raise
         finally:
             self.cancel(request_id)
+        self._observe(time.monotonic() - start)
         self.counters["received"] += 1
         self.counters["received_bytes"] += header.payload_bytes
         return tensor
@@ -145,14 +150,20 @@ class KVConnector(ABC):
             raise KVTransferError(f"receiver uses connector {receiver.get('connector')!r}, "
                                   f"this sender {self.name!r}")
         header, view = make_header(request_id, num_tokens, payload, self.layout)
+        start = time.monotonic()
         try:
             receipt = self._transmit(header, view, receiver)
         except KVTransferError as exc:
             self.counters[f"send_{exc.kind}"] += 1
             raise
+        self._observe(time.monotonic() - start)
         self.counters["sent"] += 1
         self.counters["sent_bytes"] += header.payload_bytes
         return receipt
+
+    def _observe(self, seconds: float) -> None:
+        with self._lock:  # receives run on several threads
+            self.transfer_seconds.observe(seconds)
 
     # -- transport -------------------------------------------------------------------
     @abstractmethod
@@ -178,6 +189,11 @@ class KVConnector(ABC):
 
     def stats(self) -> dict[str, int]:
         return dict(self.counters)
+
+    def histograms(self) -> dict[str, dict[str, Any]]:
+        """Seconds per successful send (prefill side) or receive (decode side: wait + verify)."""
+        with self._lock:
+            return {"tandem:kv_transfer_seconds": self.transfer_seconds.to_dict()}
 
     def close(self) -> None:
         """Release sockets, threads, groups. Idempotent."""

@@ -42,8 +42,11 @@ class PrefillServer:
         n = len(prompt_token_ids)
         self.queued_prompt_tokens += n
         self.queued_requests += 1
+        arrived = time.monotonic()
         try:
-            return await self._run(self.worker.prefill, request_id, list(prompt_token_ids), params, receiver)
+            handoff = await self._run(self.worker.prefill, request_id, list(prompt_token_ids), params, receiver)
+            handoff.prefill_s = time.monotonic() - arrived
+            return handoff
         except asyncio.CancelledError:
             # The decode side (and its client) went away. A queued job never starts; a running
             # one stops at its next step; a finished one's held blocks are released by `drop`,
@@ -67,7 +70,7 @@ class PrefillServer:
         # Read here, not on the engine thread: a long prefill would hold the snapshot back for
         # its whole duration. Plain counters; a snapshot taken mid-step is still consistent enough.
         return {**self.worker.stats(), "queued_prompt_tokens": self.queued_prompt_tokens,
-                "last_abort_at": self.last_abort_at}
+                "last_abort_at": self.last_abort_at, "histograms": self.connector.histograms()}
 
     def routing_stats(self) -> dict[str, Any]:
         return {"queued_prompt_tokens": self.queued_prompt_tokens, "queued_requests": self.queued_requests}

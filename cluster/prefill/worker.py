@@ -35,6 +35,9 @@ class PrefillHandoff:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     origin: str = ""  # which prefill replica holds R's blocks (acks go back there)
+    prefill_s: float = 0.0  # on the prefill replica: queued + computed + sent
+    kv_send_s: float = 0.0  # of which moving the KV (the connector's send)
+    kv_bytes: int = 0
 
 
 class PrefillCancelled(Exception):
@@ -75,16 +78,18 @@ class PrefillWorker:
                                   finished=True, finish_reason=done.finish_reason,
                                   num_prompt_tokens=len(out.prompt_token_ids))
         result = engine.take_prefilled(request_id)
+        payload = engine.export_kv(request_id)
+        sending = time.monotonic()
         try:
-            receipt = self.connector.send(request_id, len(result.prompt_token_ids),
-                                          engine.export_kv(request_id), receiver)
+            receipt = self.connector.send(request_id, len(result.prompt_token_ids), payload, receiver)
         except KVTransferError:
             engine.release(request_id)
             self.counters["send_failed"] += 1
             raise
         self.leases[request_id] = self.clock() + self.lease_s
         return PrefillHandoff(request_id, result.first_token, result.first_logprobs, receipt,
-                              num_prompt_tokens=len(result.prompt_token_ids))
+                              num_prompt_tokens=len(result.prompt_token_ids),
+                              kv_send_s=time.monotonic() - sending, kv_bytes=payload.numel() * payload.element_size())
 
     def ack(self, request_id: str) -> bool:
         """The decode side is done with R's KV (landed or given up): free R's blocks."""

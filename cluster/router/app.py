@@ -21,11 +21,11 @@ import contextvars
 import hmac
 import json
 import os
+import uuid
 from typing import Any, AsyncIterator
 
-import ray
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 from ray.serve.config import RequestRouterConfig
@@ -33,29 +33,25 @@ from ray.serve.handle import DeploymentHandle
 
 from cluster.config import AppConfig
 from cluster.decode.deployment import DecodeDeployment
-from cluster.decode.server import PrefillFailed
 from cluster.engine.tokenizer import Tokenizer
-from cluster.kvtransfer.errors import KVTransferError
 from cluster.models.architecture import Architecture
 from cluster.models.loader import resolve_model_path
 from cluster.outputs import TokenDelta
 from cluster.prefill.deployment import PrefillDeployment
 from cluster.router.migration import migrating
+from cluster.router.edges import ClosingStream, HeaderLimits, as_api_error, error_response, replica_lost
 from cluster.router.openai_server import OpenAIServer
+from cluster.router.metrics import render as render_metrics
 from cluster.router.protocol import APIError
+from cluster.router import request_log  # its ContextVar cannot be pickled: referenced via the module
+from cluster.router.request_log import REQUEST_ID, RequestLog, configure_trace_logging
 from cluster.router.request_routers import ROUTING_STATS_PERIOD_S
-from cluster.router.stats_board import board
+from cluster.router.stats_board import board, post_forever
 from cluster.sampling_params import SamplingParams
 
 POOL_WATCH_PERIOD_S = 1.0
-MAX_HEADERS = 64            # request header count; more is refused with 431
-MAX_HEADER_BYTES = 8 << 10  # all header names and values together
 
 api = FastAPI(title="Tandem", docs_url=None, redoc_url=None, openapi_url=None)
-
-
-def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 @api.exception_handler(APIError)
@@ -70,65 +66,16 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     return error_response(APIError(exc.status_code, message))
 
 
-class HeaderLimits:
-    """Plain ASGI (streams pass through untouched): too many or too large headers → 431."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            headers = scope.get("headers") or []
-            if len(headers) > MAX_HEADERS or sum(len(k) + len(v) for k, v in headers) > MAX_HEADER_BYTES:
-                err = APIError(431, f"request headers exceed {MAX_HEADERS} fields or {MAX_HEADER_BYTES} bytes")
-                await error_response(err)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
 api.add_middleware(HeaderLimits)
 
+
+# Everything the Router's routes use is defined or imported above the class: `serve.ingress`
+# freezes a pickled copy of the FastAPI app (its routes bound to these methods, with the module
+# globals that exist at that moment) when the decorator runs; later names are missing there.
 
 # Everything the Router's routes use is defined above the class: `serve.ingress` freezes a
 # pickled copy of the FastAPI app (its routes bound to these methods, with the module globals
 # that exist at that moment) when the decorator runs; later names are missing in the replica.
-class _ClosingStream(StreamingResponse):
-    """An SSE response that, however it ends (done, client gone, cancelled before its first
-    byte), closes its stream (aborting the request in the pools) and releases its slot."""
-
-    def __init__(self, stream: Any, release: Any) -> None:
-        super().__init__(stream, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._stream, self._release = stream, release
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._release()
-            await asyncio.shield(self._stream.aclose())
-
-
-def _replica_lost(exc: BaseException) -> bool:
-    return isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError))
-
-
-def _as_api_error(exc: BaseException) -> APIError:
-    from ray.serve.exceptions import BackPressureError
-
-    if isinstance(exc, BackPressureError):
-        return APIError(503, "the server is at capacity; retry later", type_="server_error",
-                        headers={"Retry-After": "1"})
-    if isinstance(exc, (PrefillFailed, KVTransferError)):
-        return APIError(503, f"the prompt could not be prefilled: {type(exc).__name__}", type_="server_error",
-                        headers={"Retry-After": "1"})
-    if isinstance(exc, ValueError):  # the engine's own checks (prompt, limits)
-        return APIError(400, str(exc)[:500])
-    if _replica_lost(exc):
-        return APIError(503, "a replica was lost; retry", type_="server_error", headers={"Retry-After": "1"})
-    return APIError(500, f"internal error: {type(exc).__name__}", type_="internal_error")
-
-
 @serve.deployment(name="Router", max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
 @serve.ingress(api)
 class RouterDeployment:
@@ -143,10 +90,13 @@ class RouterDeployment:
         self.stats_handle = decode
         self.api_key = self.config.api_key or os.environ.get("TANDEM_API_KEY") or None
         self.openai = OpenAIServer(self.config.served_model_name or path.name, Tokenizer(path), max_len,
-                                   self._generate, map_error=_as_api_error)
-        self.app_name = serve.get_replica_context().app_name
+                                   self._generate, map_error=as_api_error)
+        ctx = serve.get_replica_context()
+        self.app_name, self.replica_id = ctx.app_name, ctx.replica_id.unique_id
         self.active = 0  # requests in flight here, streams until their last byte
-        self.migrations = 0  # streams moved to another decode replica after theirs died
+        self.log = RequestLog(self.replica_id)  # TTFT/e2e histograms, counters, per-request traces
+        configure_trace_logging()
+        self._poster: asyncio.Task | None = None
         self.pools = ("DecodePool",) if self.config.mode == "colocated" else ("DecodePool", "PrefillPool")
         self.running: dict[str, int] | None = None  # RUNNING replicas per pool, as Serve reports them
         self._watcher: asyncio.Task | None = None
@@ -158,13 +108,16 @@ class RouterDeployment:
             # the n concurrent children of one request must not share it (their streams collide).
             return contextvars.Context().run(self.decode.generate.remote, rid, ids, p)
 
-        async for deltas in migrating(start, request_id, prompt_ids, params,
-                                      max_migrations=self.config.max_migrations, is_lost=_replica_lost,
-                                      on_migrate=self._count_migration):
-            yield deltas
+        moved = {"migrations": 0}
 
-    def _count_migration(self) -> None:
-        self.migrations += 1
+        def on_migrate() -> None:
+            moved["migrations"] += 1
+            self.log.counters["migrations"] += 1
+
+        stream = migrating(start, request_id, prompt_ids, params, max_migrations=self.config.max_migrations,
+                           is_lost=replica_lost, on_migrate=on_migrate)
+        async for deltas in self.log.track(request_log.current_request_id.get(), request_id, stream, moved):
+            yield deltas
 
     # -- routes ------------------------------------------------------------------------
     @api.get("/health")
@@ -186,21 +139,52 @@ class RouterDeployment:
 
     @api.get("/debug/stats")
     async def debug_stats(self, request: Request) -> Response:
-        """Every live replica's engine and transfer counters (blocks in use, running, ...)."""
+        """Every live pool replica's engine and transfer counters (blocks in use, running, ...)."""
         self._auth(request)
-        replicas = await board(self.app_name).read.remote()
+        replicas = [r for r in await board(self.app_name).read.remote() if r.get("pool") in ("prefill", "decode")]
         return JSONResponse({"replicas": sorted(replicas, key=lambda r: (r["pool"], r["replica"]))})
+
+    @api.get("/debug/requests/{request_id}")
+    async def debug_request(self, request: Request, request_id: str) -> Response:
+        """The traces of a request this router replica served (its X-Request-Id), one per choice."""
+        self._auth(request)
+        traces = self.log.traces.get(request_id)
+        if traces is None:
+            raise APIError(404, "no trace of that request id on this router replica", param="request_id")
+        return JSONResponse({"request_id": request_id, "traces": traces})
+
+    @api.get("/metrics")
+    async def metrics(self) -> Response:
+        """Prometheus text for every replica of both pools and the routers (cluster/router/metrics.py)."""
+        self._ensure_posting()
+        others = [r for r in await board(self.app_name).read.remote() if r.get("replica") != self.replica_id]
+        body = render_metrics(others + [await self._stats()], self.openai.model_name)
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     # -- helpers -----------------------------------------------------------------------
     async def _serve(self, request: Request, handler) -> Response:
+        """Admit, answer, and tag the answer with the request's id (X-Request-Id, the key of its
+        trace): the client's own when well-formed, else the one Serve's proxy gave it."""
+        self._ensure_posting()
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        if not REQUEST_ID.match(rid):
+            response = error_response(APIError(400, "X-Request-Id must be 1-128 of A-Z a-z 0-9 . _ : -",
+                                               param="X-Request-Id"))
+        else:
+            request_log.current_request_id.set(rid)
+            response = await self._answer(request, handler)
+            response.headers["X-Request-Id"] = rid
+        return response
+
+    async def _answer(self, request: Request, handler) -> Response:
         limit = self.config.max_concurrent_requests
         if limit is not None and self.active >= limit:
-            return error_response(APIError(503, "the server is at capacity; retry later", type_="server_error",
-                                           code="overloaded", headers={"Retry-After": "1"}))
+            return self._reject(APIError(503, "the server is at capacity; retry later", type_="server_error",
+                                         code="overloaded", headers={"Retry-After": "1"}))
         empty = await self._empty_pool()
         if empty is not None:  # a call into it would wait for a replica that may never come
-            return error_response(APIError(503, f"no {empty} replica is running; retry later", type_="server_error",
-                                           code="pool_unavailable", headers={"Retry-After": "1"}))
+            return self._reject(APIError(503, f"no {empty} replica is running; retry later", type_="server_error",
+                                         code="pool_unavailable", headers={"Retry-After": "1"}))
         self.active += 1
         streaming = False
         try:
@@ -210,17 +194,29 @@ class RouterDeployment:
             if isinstance(result, dict):
                 return JSONResponse(result)
             streaming = True
-            return _ClosingStream(result, self._release)
+            return ClosingStream(result, self._release)
         except APIError as exc:
             return error_response(exc)
         except Exception as exc:
-            return error_response(_as_api_error(exc))
+            return error_response(as_api_error(exc))
         finally:
             if not streaming:
                 self._release()
 
     def _release(self) -> None:
         self.active -= 1
+
+    def _reject(self, err: APIError) -> Response:
+        self.log.counters[f"rejected_{err.code}"] += 1
+        return error_response(err)
+
+    async def _stats(self) -> dict[str, Any]:
+        return {"pool": "router", "replica": self.replica_id, "active": self.active, **self.log.stats()}
+
+    def _ensure_posting(self) -> None:
+        if self._poster is None or self._poster.done():
+            self._poster = asyncio.get_running_loop().create_task(
+                post_forever(self.app_name, self.replica_id, self._stats))
 
     async def _empty_pool(self) -> str | None:
         """A pool with no RUNNING replica (as of the last look, at most POOL_WATCH_PERIOD_S old)."""

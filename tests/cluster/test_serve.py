@@ -85,6 +85,101 @@ def test_32_concurrent_streams_then_no_blocks_in_use(serve_url):
     assert decode["kv_landed"] >= 32  # every request's KV came over the connector
 
 
+def scrape(url: str) -> dict[tuple, float]:
+    """/metrics parsed by prometheus_client: (sample name, sorted labels) → value."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        assert r.headers["Content-Type"].startswith("text/plain")
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def total(samples: dict[tuple, float], name: str, **match: str) -> float:
+    return sum(v for (n, labels), v in samples.items()
+               if n == name and all(dict(labels).get(k) == want for k, want in match.items()))
+
+
+def test_metrics_aggregate_every_replica_of_both_pools(serve_url):
+    import time
+
+    c = client(serve_url)
+    time.sleep(1.5)  # the pools post every 0.5 s: let the earlier tests' requests land first
+    before = scrape(serve_url)
+    usage = [c.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=8,
+                                       extra_body={"ignore_eos": True},
+                                       messages=[{"role": "user", "content": f"Count to {i}."}]).usage
+             for i in range(4)]
+    time.sleep(1.5)  # the pools post every 0.5 s
+    after = scrape(serve_url)
+
+    def grew(name: str, **match: str) -> float:
+        return total(after, name, **match) - total(before, name, **match)
+
+    assert grew("vllm:request_success_total", pool="decode", finished_reason="length") == 4
+    assert grew("vllm:generation_tokens_total", pool="decode") == 4 * 8
+    assert grew("vllm:prompt_tokens_total", pool="prefill") == sum(u.prompt_tokens for u in usage)
+    assert grew("vllm:prompt_tokens_total", pool="decode") == 0  # prompts are computed on the prefill pool
+    assert grew("vllm:time_to_first_token_seconds_count", pool="router") == 4
+    assert grew("vllm:e2e_request_latency_seconds_count", pool="router") == 4
+    assert grew("vllm:inter_token_latency_seconds_count", pool="decode") == 4 * 7  # between 8 tokens, 7 gaps
+    assert grew("tandem:kv_transfer_seconds_count", pool="prefill") == 4  # sends
+    assert grew("tandem:kv_transfer_seconds_count", pool="decode") == 4  # receives
+    sent, received = grew("tandem:kv_transfer_bytes_total", pool="prefill"), grew("tandem:kv_transfer_bytes_total", pool="decode")
+    assert sent == received > 0
+    assert total(after, "vllm:num_requests_running") == 0 and total(after, "vllm:kv_cache_usage_perc") == 0
+    ttft_le_inf = total(after, "vllm:time_to_first_token_seconds_bucket", pool="router", le="+Inf")
+    assert ttft_le_inf == total(after, "vllm:time_to_first_token_seconds_count", pool="router")
+    # one series per replica, named as /debug/stats names them
+    replicas = {s["replica"] for s in replica_stats(serve_url, settle_s=0)}
+    labelled = {dict(labels)["replica"] for (n, labels), _ in after.items()
+                if n == "vllm:kv_cache_usage_perc"}
+    assert labelled == replicas and all(dict(labels)["model_name"] == "SmolLM2-135M-Instruct"
+                                        for (n, labels), _ in after.items())
+
+
+def test_each_request_is_traced_under_its_id(serve_url):
+    import glob
+    import json
+    import time
+
+    import ray
+
+    from serving import http_request
+
+    body = json.dumps({"model": "SmolLM2-135M-Instruct", "max_tokens": 6,
+                       "messages": [{"role": "user", "content": "Trace me."}]}).encode()
+    status, headers, _ = http_request(serve_url, "POST", "/v1/chat/completions", body, {"X-Request-Id": "trace-me-1"})
+    assert status == 200 and headers["x-request-id"] == "trace-me-1"
+    status, headers, _ = http_request(serve_url, "POST", "/v1/chat/completions", body)
+    made_up = headers["x-request-id"]  # none sent: Serve's own request id (its logs use it too)
+    assert status == 200 and http_request(serve_url, "GET", f"/debug/requests/{made_up}")[0] == 200
+    status, _, raw = http_request(serve_url, "POST", "/v1/chat/completions", body, {"X-Request-Id": "no spaces"})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "X-Request-Id"
+
+    status, _, raw = http_request(serve_url, "GET", "/debug/requests/trace-me-1")
+    (trace,) = json.loads(raw)["traces"]
+    pools = {s["pool"]: s["replica"] for s in replica_stats(serve_url, settle_s=0)}
+    assert trace["prefill_replica"] == pools["prefill"] and trace["decode_replica"] == pools["decode"]
+    assert trace["kv"] == "landed" and trace["kv_bytes"] > 0 and trace["completion_tokens"] == 6
+    for key in ("prefill_s", "kv_send_s", "kv_receive_s", "decode_queue_s", "ttft_s", "e2e_s"):
+        assert 0 <= trace[key] < 60, key
+    assert trace["kv_send_s"] <= trace["prefill_s"] <= trace["ttft_s"] <= trace["e2e_s"]
+    # the same record as one JSON line in the router replica's log
+    logs = ray._private.worker._global_node.get_logs_dir_path()
+    deadline = time.monotonic() + 10
+    while True:
+        lines = [json.loads(line) for path in glob.glob(f"{logs}/**/*", recursive=True) if path.endswith((".err", ".log"))
+                 for line in open(path, errors="replace") if line.startswith("{") and '"trace-me-1"' in line]
+        if lines or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert lines == [trace]
+
+
 def test_greedy_identical_colocated_and_every_connector(serve_url):
     outputs = {}
     landed = {}

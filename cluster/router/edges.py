@@ -1,0 +1,75 @@
+"""The router's HTTP edge, apart from routing: OpenAI-shaped error responses (and what each
+failure from the pools becomes), header limits, and SSE responses that clean up however they end.
+(Imported by cluster/router/app.py before its Serve ingress class: see the note there.)"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import ray
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from cluster.decode.server import PrefillFailed
+from cluster.kvtransfer.errors import KVTransferError
+from cluster.router.protocol import APIError
+
+MAX_HEADERS = 64            # request header count; more is refused with 431
+MAX_HEADER_BYTES = 8 << 10  # all header names and values together
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+class HeaderLimits:
+    """Plain ASGI (streams pass through untouched): too many or too large headers → 431."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            headers = scope.get("headers") or []
+            if len(headers) > MAX_HEADERS or sum(len(k) + len(v) for k, v in headers) > MAX_HEADER_BYTES:
+                err = APIError(431, f"request headers exceed {MAX_HEADERS} fields or {MAX_HEADER_BYTES} bytes")
+                await error_response(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class ClosingStream(StreamingResponse):
+    """An SSE response that, however it ends (done, client gone, cancelled before its first
+    byte), closes its stream (aborting the request in the pools) and releases its slot."""
+
+    def __init__(self, stream: Any, release: Any) -> None:
+        super().__init__(stream, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._stream, self._release = stream, release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+            await asyncio.shield(self._stream.aclose())
+
+
+def replica_lost(exc: BaseException) -> bool:
+    return isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError))
+
+
+def as_api_error(exc: BaseException) -> APIError:
+    from ray.serve.exceptions import BackPressureError
+
+    if isinstance(exc, BackPressureError):
+        return APIError(503, "the server is at capacity; retry later", type_="server_error",
+                        headers={"Retry-After": "1"})
+    if isinstance(exc, (PrefillFailed, KVTransferError)):
+        return APIError(503, f"the prompt could not be prefilled: {type(exc).__name__}", type_="server_error",
+                        headers={"Retry-After": "1"})
+    if isinstance(exc, ValueError):  # the engine's own checks (prompt, limits)
+        return APIError(400, str(exc)[:500])
+    if replica_lost(exc):
+        return APIError(503, "a replica was lost; retry", type_="server_error", headers={"Retry-After": "1"})
+    return APIError(500, f"internal error: {type(exc).__name__}", type_="internal_error")
