@@ -1,10 +1,11 @@
-"""`tandem` command line: chat, convert-model, up, down."""
+"""`tandem` command line: chat, convert-model, up, down, bench."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from cluster.bench_cli import add_parser as add_bench_parser
 from cluster.models.default_model import CACHE_ENV
 
 
@@ -130,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     down = sub.add_parser("down", help="shut the Serve apps down and stop the local Ray")
     down.set_defaults(func=_down)
+
+    add_bench_parser(sub)  # cluster/bench_cli.py
     return parser
 
 
