@@ -14,7 +14,6 @@ of the queue to recompute prompt + output so far.
 from __future__ import annotations
 
 import time
-
 from collections import deque
 from dataclasses import dataclass, field
 

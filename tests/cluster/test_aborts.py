@@ -12,13 +12,12 @@ when the hang-up lands finishes first, which bounds the prefill side's reaction 
 
 from __future__ import annotations
 
-import http.client
 import json
 import time
 
 import pytest
 
-from serving import args_of, deploy, replica_stats, wait_for_replica
+from serving import args_of, deploy, hang_up, open_stream, replica_stats, settled, wait_for_replica
 
 pytestmark = pytest.mark.slow
 
@@ -31,37 +30,6 @@ def url(serve_url):
     args["engine"] = {**args["engine"], "max_num_batched_tokens": 256, "cpu_kv_cache_bytes": 256 << 20}
     deploy(args)
     return serve_url
-
-
-def open_stream(url: str, content: str, max_tokens: int, stream: bool = True,
-                headers: dict[str, str] | None = None, model: str = "SmolLM2-135M-Instruct") -> http.client.HTTPConnection:
-    host, port = url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=60)
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": content}],
-                       "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": stream})
-    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json", **(headers or {})})
-    return conn
-
-
-def hang_up(conn: http.client.HTTPConnection) -> float:
-    conn.sock.close()
-    conn.close()
-    return time.time()
-
-
-def settled(url: str, aborted_after: float | None = None, pools: tuple[str, ...] = (),
-            timeout_s: float = 20.0) -> dict[str, dict]:
-    """Poll until nothing is in use anywhere (and `pools` have recorded an abort after
-    `aborted_after`); return the last stats per pool."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = {s["pool"]: s for s in replica_stats(url, settle_s=0.6)}
-        idle = all(s["blocks_in_use"] == 0 and s["num_running"] == 0 and s["num_waiting"] == 0
-                   and s.get("num_remote", 0) == 0 and s.get("leases", 0) == 0 for s in stats.values())
-        recorded = all(stats[p]["last_abort_at"] > (aborted_after or 0) for p in pools)
-        if (idle and recorded) or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.2)
 
 
 def test_hang_up_during_prefill_aborts_in_both_pools_within_1s(url):

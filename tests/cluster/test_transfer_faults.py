@@ -18,8 +18,7 @@ import time
 import pytest
 
 from faulty_link import FaultyLink
-from serving import client, deploy, free_port, replica_stats, wait_for
-from test_aborts import hang_up, open_stream, settled
+from serving import client, deploy, free_port, hang_up, open_stream, replica_stats, settled, wait_for
 
 pytestmark = pytest.mark.slow
 
