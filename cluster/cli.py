@@ -46,7 +46,7 @@ def _up(args: argparse.Namespace) -> int:
     import urllib.request
 
     from cluster.models.default_model import ensure_default_model
-    from cluster.serve_config import validate_serve_config
+    from cluster.serve_config import load_yaml, validate_serve_config
 
     apps = validate_serve_config(args.config)  # fail here, with the key named, not in a replica
     if any(a.engine.model.model is None for a in apps):
@@ -81,6 +81,15 @@ def _up(args: argparse.Namespace) -> int:
 print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Hi!'}}]).choices[0].message.content)"
 
 Stop with `make stop`.""")
+    grpc_port = (load_yaml(args.config).get("grpc_options") or {}).get("port")
+    if grpc_port:
+        print(f"""
+gRPC (tandem.v1.Tandem/Generate, cluster/router/tandem.proto) on port {grpc_port}:
+
+  python -c "import grpc; from cluster.router import tandem_pb2 as pb, tandem_pb2_grpc as rpc; \\
+stub = rpc.TandemStub(grpc.insecure_channel('127.0.0.1:{grpc_port}')); \\
+[print(m.text, end='', flush=True) for m in stub.Generate(pb.GenerateRequest(model='{model}', \\
+chat=pb.Chat(messages=[pb.ChatMessage(role='user', content='Hi!')])))]; print()\"""")
     return 0
 
 

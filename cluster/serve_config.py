@@ -3,7 +3,8 @@
     validate_serve_config(path or dict)
       1. ServeDeploySchema (Ray's schema for `serve deploy` files)
       2. strict keys: every key at every level must be a field Ray knows (Ray silently drops
-         unknown ones, so `num_replica: 2` would deploy one replica without a word)
+         unknown ones, so `num_replica: 2` would deploy one replica without a word); gRPC
+         servicer functions must import
       3. Tandem apps (import_path cluster.router.app:build_app): `args` through
          AppConfig.from_args (unknown keys named), deployments named Router / PrefillPool /
          DecodePool only (no PrefillPool in colocated mode). Prefill and decode are built
@@ -46,6 +47,7 @@ def validate_serve_config(config: str | Path | dict[str, Any]) -> list[AppConfig
     except Exception as exc:
         raise ConfigError(f"not a valid Serve config: {exc}") from None
     check_keys(ServeDeploySchema, raw, "")
+    check_grpc_servicers(raw.get("grpc_options") or {})
     apps = []
     for i, app in enumerate(raw.get("applications") or []):
         if app.get("import_path") != TANDEM_IMPORT_PATH:
@@ -62,6 +64,21 @@ def validate_serve_config(config: str | Path | dict[str, Any]) -> list[AppConfig
                                   f"{cfg.mode} Tandem app; expected one of {sorted(allowed)}")
         apps.append(cfg)
     return apps
+
+
+def check_grpc_servicers(grpc_options: dict[str, Any]) -> None:
+    """Each of grpc_options.grpc_servicer_functions imports (Serve's proxy fails to start otherwise)."""
+    import importlib
+
+    for path in grpc_options.get("grpc_servicer_functions") or []:
+        module, _, name = str(path).rpartition(".")
+        try:
+            fn = getattr(importlib.import_module(module), name) if module else None
+        except (ImportError, AttributeError):
+            fn = None
+        if not callable(fn):
+            raise ConfigError(f"grpc_options.grpc_servicer_functions: {path!r} cannot be imported "
+                              f"(Tandem's is cluster.router.tandem_pb2_grpc.add_TandemServicer_to_server)")
 
 
 def check_keys(model: type[BaseModel], data: Any, where: str) -> None:

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 from ray.serve.config import RequestRouterConfig
+from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
 from cluster.config import AppConfig
@@ -38,6 +39,7 @@ from cluster.models.architecture import Architecture
 from cluster.models.loader import resolve_model_path
 from cluster.outputs import TokenDelta
 from cluster.prefill.deployment import PrefillDeployment
+from cluster.router import grpc_api
 from cluster.router.migration import migrating
 from cluster.router.edges import ClosingStream, HeaderLimits, as_api_error, error_response, replica_lost
 from cluster.router.openai_server import OpenAIServer
@@ -50,6 +52,11 @@ from cluster.router.stats_board import board, post_forever
 from cluster.sampling_params import SamplingParams
 
 POOL_WATCH_PERIOD_S = 1.0
+
+
+def serving_request_id() -> str:
+    """The id Serve's proxy gave the request being served (the one it hands back to the client)."""
+    return serve.context._get_serve_request_context().request_id  # ray is pinned: see pyproject.toml
 
 api = FastAPI(title="Tandem", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -68,10 +75,6 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 
 api.add_middleware(HeaderLimits)
 
-
-# Everything the Router's routes use is defined or imported above the class: `serve.ingress`
-# freezes a pickled copy of the FastAPI app (its routes bound to these methods, with the module
-# globals that exist at that moment) when the decorator runs; later names are missing there.
 
 # Everything the Router's routes use is defined above the class: `serve.ingress` freezes a
 # pickled copy of the FastAPI app (its routes bound to these methods, with the module globals
@@ -122,6 +125,12 @@ class RouterDeployment:
     # -- routes ------------------------------------------------------------------------
     @api.get("/health")
     async def health(self) -> Response:
+        """200 once every pool has a RUNNING replica (what `tandem up` and load balancers wait
+        for); 503 naming the empty pool before that, or while one has none."""
+        empty = await self._empty_pool()
+        if empty is not None:
+            return error_response(APIError(503, f"no {empty} replica is running", type_="server_error",
+                                           code="pool_unavailable", headers={"Retry-After": "1"}))
         return Response(status_code=200)
 
     @api.get("/v1/models")
@@ -161,6 +170,33 @@ class RouterDeployment:
         body = render_metrics(others + [await self._stats()], self.openai.model_name)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    # -- gRPC (Serve's gRPC proxy calls the method of the RPC's name) ---------------------
+    async def Generate(self, request: Any, grpc_context: RayServegRPCContext) -> AsyncIterator[Any]:
+        """tandem.v1.Tandem/Generate: the same admission, validation, sampling and trace as the
+        HTTP routes; an error ends the stream with its gRPC status code (grpc_api.STATUS_CODES).
+        The trace's id is Serve's `request_id` (the client's metadata of that name, or Serve's own),
+        which Serve returns in the trailing metadata."""
+        self._ensure_posting()
+        admitted = False
+        try:
+            self._check_key(dict(grpc_context.invocation_metadata()).get("authorization", ""))
+            await self._admit()
+            admitted = True
+            rid = grpc_context.request_id() or serving_request_id() or uuid.uuid4().hex
+            if not REQUEST_ID.match(rid):
+                raise APIError(400, "request_id must be 1-128 of A-Z a-z 0-9 . _ : -", param="request_id")
+            request_log.current_request_id.set(rid)
+            async for message in grpc_api.generate(self.openai, request, self.config.request_timeout_s):
+                yield message
+        except Exception as exc:  # (a client gone cancels the generator: nothing to answer)
+            err = exc if isinstance(exc, APIError) else as_api_error(exc)
+            grpc_context.set_code(grpc_api.status_code(err))
+            grpc_context.set_details(err.message)
+            raise err from None
+        finally:
+            if admitted:
+                self._release()
+
     # -- helpers -----------------------------------------------------------------------
     async def _serve(self, request: Request, handler) -> Response:
         """Admit, answer, and tag the answer with the request's id (X-Request-Id, the key of its
@@ -177,15 +213,10 @@ class RouterDeployment:
         return response
 
     async def _answer(self, request: Request, handler) -> Response:
-        limit = self.config.max_concurrent_requests
-        if limit is not None and self.active >= limit:
-            return self._reject(APIError(503, "the server is at capacity; retry later", type_="server_error",
-                                         code="overloaded", headers={"Retry-After": "1"}))
-        empty = await self._empty_pool()
-        if empty is not None:  # a call into it would wait for a replica that may never come
-            return self._reject(APIError(503, f"no {empty} replica is running; retry later", type_="server_error",
-                                         code="pool_unavailable", headers={"Retry-After": "1"}))
-        self.active += 1
+        try:
+            await self._admit()
+        except APIError as exc:
+            return error_response(exc)
         streaming = False
         try:
             self._auth(request)
@@ -203,12 +234,24 @@ class RouterDeployment:
             if not streaming:
                 self._release()
 
+    async def _admit(self) -> None:
+        """Take a slot for one request (`_release` gives it back), or refuse it with a 503."""
+        limit = self.config.max_concurrent_requests
+        if limit is not None and self.active >= limit:
+            self._reject(APIError(503, "the server is at capacity; retry later", type_="server_error",
+                                  code="overloaded", headers={"Retry-After": "1"}))
+        empty = await self._empty_pool()
+        if empty is not None:  # a call into it would wait for a replica that may never come
+            self._reject(APIError(503, f"no {empty} replica is running; retry later", type_="server_error",
+                                  code="pool_unavailable", headers={"Retry-After": "1"}))
+        self.active += 1
+
     def _release(self) -> None:
         self.active -= 1
 
-    def _reject(self, err: APIError) -> Response:
+    def _reject(self, err: APIError) -> None:
         self.log.counters[f"rejected_{err.code}"] += 1
-        return error_response(err)
+        raise err
 
     async def _stats(self) -> dict[str, Any]:
         return {"pool": "router", "replica": self.replica_id, "active": self.active, **self.log.stats()}
@@ -258,10 +301,13 @@ class RouterDeployment:
         return value if limit is None else min(value, limit)
 
     def _auth(self, request: Request) -> None:
+        self._check_key(request.headers.get("authorization", ""))
+
+    def _check_key(self, authorization: str) -> None:
+        """`authorization`: the HTTP header, or the gRPC metadata of that name."""
         if self.api_key is None:
             return
-        got = request.headers.get("authorization", "")
-        if not hmac.compare_digest(got.encode(), f"Bearer {self.api_key}".encode()):
+        if not hmac.compare_digest(authorization.encode(), f"Bearer {self.api_key}".encode()):
             raise APIError(401, "invalid or missing API key", type_="authentication_error",
                            code="invalid_api_key")
 

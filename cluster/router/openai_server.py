@@ -37,6 +37,18 @@ class _Choice:
     stop_reason: int | str | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A validated request: its prompt, sampling parameters, id, and the n children to run."""
+
+    kind: str  # "chat" | "text"
+    request: Any  # ChatCompletionRequest | CompletionRequest
+    prompt_ids: list[int]
+    params: SamplingParams
+    request_id: str
+    children: list[tuple[str, SamplingParams]]  # ("<id>-<j>", params with seed + j)
+
+
 class SSEStream:
     """One streamed response's SSE lines. `aclose()` ends the request wherever it stands, even
     when nobody started iterating (a client gone before the body): the samples behind it are
@@ -79,32 +91,53 @@ class OpenAIServer:
     async def chat(self, body: Any, timeout_s: float | None = None) -> dict[str, Any] | SSEStream:
         """`timeout_s`: the request's deadline, from now (408 before the first byte, an error
         chunk after it)."""
-        deadline = _deadline(timeout_s)
-        req = _parse(ChatCompletionRequest, body)
-        self._check_model(req.model)
-        req.check_stream_options()
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in req.messages]
-        try:
-            prompt_ids = self.tokenizer.encode_chat(messages)
-        except Exception as exc:  # a template that rejects this conversation
-            raise APIError(400, f"cannot apply the chat template: {type(exc).__name__}") from None
-        return await self._run("chat", req, prompt_ids, deadline)
+        deadline = deadline_after(timeout_s)
+        return await self._run(self.prepare("chat", body), deadline)
 
     async def completions(self, body: Any, timeout_s: float | None = None) -> dict[str, Any] | SSEStream:
-        deadline = _deadline(timeout_s)
-        req = _parse(CompletionRequest, body)
-        self._check_model(req.model)
-        req.check_stream_options()
-        if isinstance(req.prompt, str):
-            prompt_ids = self.tokenizer.encode(req.prompt)
+        deadline = deadline_after(timeout_s)
+        return await self._run(self.prepare("text", body), deadline)
+
+    def prepare(self, kind: str, body: Any) -> Prepared:
+        """A chat ("chat") or completions ("text") request body, validated, tokenized and
+        checked against the context: raises APIError on anything the client got wrong."""
+        if kind == "chat":
+            req = _parse(ChatCompletionRequest, body)
+            self._check_model(req.model)
+            req.check_stream_options()
+            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                        for m in req.messages]
+            try:
+                prompt_ids = self.tokenizer.encode_chat(messages)
+            except Exception as exc:  # a template that rejects this conversation
+                raise APIError(400, f"cannot apply the chat template: {type(exc).__name__}") from None
         else:
-            prompt_ids = list(req.prompt)
-            if any(t < 0 or t >= self.tokenizer.vocab_size for t in prompt_ids):
-                raise APIError(400, f"prompt token ids must be in [0, {self.tokenizer.vocab_size})", param="prompt")
-        if req.echo:
-            raise APIError(400, "echo is not supported", param="echo")
-        return await self._run("text", req, prompt_ids, deadline)
+            req = _parse(CompletionRequest, body)
+            self._check_model(req.model)
+            req.check_stream_options()
+            if isinstance(req.prompt, str):
+                prompt_ids = self.tokenizer.encode(req.prompt)
+            else:
+                prompt_ids = list(req.prompt)
+                if any(t < 0 or t >= self.tokenizer.vocab_size for t in prompt_ids):
+                    raise APIError(400, f"prompt token ids must be in [0, {self.tokenizer.vocab_size})",
+                                   param="prompt")
+            if req.echo:
+                raise APIError(400, "echo is not supported", param="echo")
+        max_tokens = self._limits(prompt_ids, req.requested_max_tokens())
+        params = req.sampling_params(max_tokens, req.requested_logprobs())
+        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        children = [(f"{rid}-{j}", dataclasses.replace(params, seed=_child_seed(params.seed, j)))
+                    for j in range(req.n)]
+        return Prepared(kind, req, prompt_ids, params, rid, children)
+
+    def samples(self, p: Prepared) -> AsyncIterator[tuple[int, TokenDelta]]:
+        """The n samples of a prepared request, running concurrently, as (choice, delta);
+        closing it aborts them."""
+        return _merge([self.generate(cid, p.prompt_ids, params) for cid, params in p.children])
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.hf.decode([token_id])
 
     # -- shared ----------------------------------------------------------------------
     def _check_model(self, model: str) -> None:
@@ -126,26 +159,22 @@ class OpenAIServer:
                            param="max_tokens", code="context_length_exceeded")
         return requested if requested is not None else room
 
-    async def _run(self, kind: str, req: Any, prompt_ids: list[int],
-                   deadline: float | None) -> dict[str, Any] | SSEStream:
-        max_tokens = self._limits(prompt_ids, req.requested_max_tokens())
-        params = req.sampling_params(max_tokens, req.requested_logprobs())
-        prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        rid = f"{prefix}-{uuid.uuid4().hex}"
-        children = [(f"{rid}-{j}", dataclasses.replace(params, seed=_child_seed(params.seed, j))) for j in range(req.n)]
+    async def _run(self, p: Prepared, deadline: float | None) -> dict[str, Any] | SSEStream:
+        req, params = p.request, p.params
         created = int(self.clock())
         if not req.stream:
-            choices = await _within(asyncio.gather(*(self._collect(cid, prompt_ids, p) for cid, p in children)),
-                                    deadline)
-            return self._response(kind, rid, created, choices, len(prompt_ids), params.logprobs is not None)
-        merged = _merge([self.generate(cid, prompt_ids, p) for cid, p in children])
+            choices = await within(asyncio.gather(*(self._collect(cid, p.prompt_ids, c) for cid, c in p.children)),
+                                   deadline)
+            return self._response(p.kind, p.request_id, created, choices, len(p.prompt_ids),
+                                  params.logprobs is not None)
+        merged = self.samples(p)
         try:
-            first = await _within(merged.__anext__(), deadline)  # errors before the first byte keep their status
+            first = await within(merged.__anext__(), deadline)  # errors before the first byte keep their status
         except BaseException:
             await merged.aclose()
             raise
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        lines = self._stream(kind, rid, created, req.n, len(prompt_ids), first, merged, include_usage,
+        lines = self._stream(p.kind, p.request_id, created, req.n, len(p.prompt_ids), first, merged, include_usage,
                              params.logprobs is not None, deadline)
         return SSEStream(lines, merged)
 
@@ -201,7 +230,7 @@ class OpenAIServer:
                 if d.text or d.token_ids or finish:
                     yield chunk([{"index": j, **body, "logprobs": lp, "finish_reason": finish,
                                   **({"stop_reason": d.stop_reason} if finish else {})}])
-                item = await _within(rest.__anext__(), deadline)
+                item = await within(rest.__anext__(), deadline)
         except StopAsyncIteration:
             pass
         except asyncio.CancelledError:
@@ -218,10 +247,7 @@ class OpenAIServer:
         yield "data: [DONE]\n\n"
 
     def _logprobs(self, kind: str, entries: list[TokenLogprobs]) -> dict[str, Any]:
-        tok = self.tokenizer.hf
-
-        def piece(token_id: int) -> str:
-            return tok.decode([token_id])
+        piece = self.token_text
 
         if kind == "chat":
             return {"content": [{"token": piece(e.sampled.token_id), "logprob": e.sampled.logprob,
@@ -235,11 +261,11 @@ class OpenAIServer:
                 "text_offset": []}
 
 
-def _deadline(timeout_s: float | None) -> float | None:
+def deadline_after(timeout_s: float | None) -> float | None:
     return None if timeout_s is None else time.monotonic() + timeout_s
 
 
-async def _within(awaitable: Any, deadline: float | None) -> Any:
+async def within(awaitable: Any, deadline: float | None) -> Any:
     """Await it before the deadline, or cancel it (which aborts the requests behind it) and 408."""
     if deadline is None:
         return await awaitable

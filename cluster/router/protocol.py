@@ -28,6 +28,9 @@ class APIError(Exception):
         self.code = code
         self.headers = headers or {}
 
+    def __reduce__(self) -> tuple:  # crosses processes whole (Serve carries it to its gRPC proxy)
+        return (APIError, (self.status, self.message, self.type, self.param, self.code, self.headers))
+
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code if self.code is not None else self.status}}

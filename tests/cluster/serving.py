@@ -71,10 +71,11 @@ def client(url: str):
     return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def replica_stats(url: str, settle_s: float = 3.0) -> list[dict[str, Any]]:
+def replica_stats(url: str, settle_s: float = 3.0, headers: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """Every replica's counters, after letting their periodic posts catch up."""
     time.sleep(settle_s)
-    with urllib.request.urlopen(f"{url}/debug/stats", timeout=10) as r:
+    with urllib.request.urlopen(urllib.request.Request(f"{url}/debug/stats", headers=headers or {}),
+                                timeout=10) as r:
         return json.load(r)["replicas"]
 
 
@@ -145,12 +146,12 @@ def hang_up(conn: http.client.HTTPConnection) -> float:
 
 
 def settled(url: str, aborted_after: float | None = None, pools: tuple[str, ...] = (),
-            timeout_s: float = 20.0) -> dict[str, dict]:
+            timeout_s: float = 20.0, headers: dict[str, str] | None = None) -> dict[str, dict]:
     """Poll until nothing is in use anywhere (and `pools` have recorded an abort after
     `aborted_after`); return the last stats per pool."""
     deadline = time.monotonic() + timeout_s
     while True:
-        stats = {s["pool"]: s for s in replica_stats(url, settle_s=0.6)}
+        stats = {s["pool"]: s for s in replica_stats(url, settle_s=0.6, headers=headers)}
         idle = all(s["blocks_in_use"] == 0 and s["num_running"] == 0 and s["num_waiting"] == 0
                    and s.get("num_remote", 0) == 0 and s.get("leases", 0) == 0 for s in stats.values())
         recorded = all(stats[p]["last_abort_at"] > (aborted_after or 0) for p in pools)

@@ -7,6 +7,7 @@ Apps are deployed as `serve deploy` deploys them (apply_serve_config), pool opti
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -43,8 +44,6 @@ def fresh(cfg: dict, want: dict[str, int], timeout_s: float = 240, settled: bool
 
 
 def post_chat(url: str, body: dict) -> tuple[int, dict, dict]:
-    import json
-
     status, headers, raw = http_request(url, "POST", "/v1/chat/completions", json.dumps(body).encode())
     return status, headers, json.loads(raw)
 
@@ -76,6 +75,8 @@ def test_no_prefill_replica_is_a_fast_503(serve_url, tiny_model_paths):
     assert status == 503 and headers.get("retry-after") == "1", (status, body)
     assert body["error"]["code"] == "pool_unavailable" and "PrefillPool" in body["error"]["message"]
     assert time.monotonic() - start < 3.0
+    status, _, body = http_request(serve_url, "GET", "/health")  # not ready: what `tandem up` waits on
+    assert status == 503 and "PrefillPool" in json.loads(body)["error"]["message"]
     (decode,) = [s for s in replica_stats(serve_url) if s["pool"] == "decode"]
     assert decode["blocks_in_use"] == 0 and decode["num_remote"] == 0  # nothing was reserved
 

@@ -63,6 +63,24 @@ def test_bad_values_are_refused():
         validate_serve_config(colocated)
 
 
+def test_the_grpc_block_of_serve_yaml_validates_once_uncommented():
+    lines = (CONFIGS / "serve.yaml").read_text().splitlines()
+    start = lines.index("# grpc_options:")
+    block = [line[2:] for line in lines[start:] if line.startswith("#   ") or line == "# grpc_options:"]
+    config = {**load("serve.yaml"), **yaml.safe_load("\n".join(block))}
+    validate_serve_config(config)
+    from cluster.router import grpc_api
+
+    assert config["grpc_options"]["grpc_servicer_functions"] == [grpc_api.SERVICER]
+
+    config["grpc_options"]["grpc_servicer_functions"] = ["cluster.router.tandem_pb2_grpc.add_TandemServicr_to_server"]
+    with pytest.raises(ConfigError, match="add_TandemServicr_to_server"):
+        validate_serve_config(config)
+    config["grpc_options"] = {"port": 9000, "grpc_servicer_funcions": []}
+    with pytest.raises(ConfigError, match="grpc_servicer_funcions"):
+        validate_serve_config(config)
+
+
 def test_cluster_yaml_passes_ray_autoscaler_validation():
     from ray.autoscaler._private.util import prepare_config, validate_config
 

@@ -31,6 +31,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from cluster.router import grpc_api
 from cluster.serve_config import validate_serve_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,6 +51,7 @@ OVERRIDES = {
     "apiKey": {"secretName": "tandem-api", "secretKey": "token"},
     "modelVolume": {"persistentVolumeClaim": "hf-models"},
     "image": {"repository": "registry.example/tandem", "tag": "v1"},
+    "grpc": {"enabled": True, "port": 9443},
 }
 COLOCATED = {"args": {"mode": "colocated"}, "decode": {"num_replicas": 2}}
 VALUE_SETS = {"defaults": {}, "overrides": OVERRIDES, "colocated": COLOCATED}
@@ -126,6 +128,7 @@ def test_defaults_deploy_the_app_of_configs_serve_yaml():
     assert {k: app[k] for k in ("name", "route_prefix", "import_path")} == \
            {k: expected[k] for k in ("name", "route_prefix", "import_path")}
     assert ours["http_options"] == {"host": "0.0.0.0", "port": 8000}
+    assert "grpc_options" not in ours  # gRPC is opt-in, as in configs/
 
     cluster = rayservice()["spec"]["rayClusterConfig"]
     assert [g["groupName"] for g in cluster["workerGroupSpecs"]] == ["cpu"]  # no GPU group by default
@@ -166,6 +169,14 @@ def test_overrides_reach_the_rayservice():
             "claimName": "hf-models", "readOnly": True}}], where
 
 
+def test_grpc_enabled_serves_tandems_servicer_on_the_head_port():
+    rs = rayservice(OVERRIDES)
+    assert serve_config(rs)["grpc_options"] == {"port": 9443, "grpc_servicer_functions": [grpc_api.SERVICER]}
+    head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert {"name": "grpc", "containerPort": 9443} in head["ports"]  # KubeRay's head Service exposes it
+    assert "demo-tandem-head-svc 9443:9443" in render(OVERRIDES)["tandem/templates/NOTES.txt"]
+
+
 def test_colocated_has_no_prefill_pool():
     assert list(deployments(rayservice(COLOCATED))) == ["Router", "DecodePool"]
     assert deployments(rayservice(COLOCATED))["DecodePool"]["num_replicas"] == 2
@@ -204,6 +215,8 @@ def test_release_names_fit_kuberay():
     ({"args": {"kv_transfer": {"connector": "carrier-pigeon"}}}, "kv_transfer/connector': value must be"),
     ({"args": {"mode": "disagregated"}}, "at '/args/mode': value must be one of"),
     ({"head": {"rayStartParams": {"num-cpus": 0}}}, "num-cpus': got number, want string"),  # KubeRay's type
+    ({"grpc": {"enable": True}}, "at '/grpc': additional properties 'enable' not allowed"),
+    ({"grpc": {"enabled": True, "port": 8000}}, "at '/grpc/port'"),  # the HTTP port
 ])
 def test_schema_refuses_typos_by_name(values, message):
     with pytest.raises(helm.HelmValuesError, match="schema") as err:

@@ -65,13 +65,20 @@ as floats, which print as 1e+06 otherwise.
 
 {{/*
 The Serve config KubeRay deploys (serveConfigV2): configs/serve.yaml's app, listening on
-0.0.0.0:8000 inside the pods. Colocated mode has no PrefillPool.
+0.0.0.0:8000 inside the pods (and gRPC on grpc.port when enabled). Colocated mode has no
+PrefillPool.
 */}}
 {{- define "tandem.serveConfig" -}}
 proxy_location: {{ .Values.proxyLocation }}
 http_options:
   host: 0.0.0.0
   port: 8000
+{{- if .Values.grpc.enabled }}
+grpc_options:
+  port: {{ int .Values.grpc.port }}
+  grpc_servicer_functions:
+    - cluster.router.tandem_pb2_grpc.add_TandemServicer_to_server
+{{- end }}
 applications:
   - name: tandem
     route_prefix: /
@@ -119,6 +126,9 @@ spec:
         - {name: dashboard, containerPort: 8265}
         - {name: client, containerPort: 10001}
         - {name: serve, containerPort: 8000}
+        {{- if $root.Values.grpc.enabled }}
+        - {name: grpc, containerPort: {{ int $root.Values.grpc.port }}}
+        {{- end }}
       {{- end }}
       {{- with $root.Values.apiKey.secretName }}
       env:

@@ -1,0 +1,109 @@
+"""The gRPC face of the OpenAI server (tandem.proto's Generate), as plain functions: the router
+deployment's `Generate` method is a thin shell over `generate` (cluster/router/app.py).
+
+    GenerateRequest → the HTTP body it stands for (chat or completions; unset fields left out, so
+                      they take the HTTP defaults) → OpenAIServer.prepare (the same validation)
+                    → the n samples → one GenerateResponse per delta, then one with usage
+    APIError        → its HTTP message with the matching gRPC status code (`status_code`)
+
+Serve's gRPC proxy finds the method by name: register the servicer in `grpc_options`
+(`SERVICER` below) and every Tandem app answers /tandem.v1.Tandem/Generate (with several apps,
+the client names one in the `application` metadata).
+"""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator
+
+import grpc
+
+from cluster.router import tandem_pb2 as pb
+from cluster.router.openai_server import OpenAIServer, deadline_after, within
+from cluster.router.protocol import APIError
+
+SERVICER = "cluster.router.tandem_pb2_grpc.add_TandemServicer_to_server"  # for grpc_options
+
+# HTTP statuses the router answers with, and the gRPC codes that mean the same (google.rpc's map)
+STATUS_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    403: grpc.StatusCode.PERMISSION_DENIED,
+    404: grpc.StatusCode.NOT_FOUND,
+    408: grpc.StatusCode.DEADLINE_EXCEEDED,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    501: grpc.StatusCode.UNIMPLEMENTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+
+_SAMPLING = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+             "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens", "skip_special_tokens")
+
+
+def status_code(err: APIError) -> grpc.StatusCode:
+    return STATUS_CODES.get(err.status, grpc.StatusCode.INTERNAL)
+
+
+def request_body(req: pb.GenerateRequest) -> tuple[str, dict[str, Any]]:
+    """("chat" | "text", the JSON body the same request has over HTTP)."""
+    which = req.WhichOneof("prompt")
+    if which is None:
+        raise APIError(400, "prompt: set one of chat, text or token_ids", param="prompt")
+    body: dict[str, Any] = {"model": req.model}
+    body.update({name: getattr(req, name) for name in _SAMPLING if req.HasField(name)})
+    if req.stop:
+        body["stop"] = list(req.stop)
+    if req.stop_token_ids:
+        body["stop_token_ids"] = list(req.stop_token_ids)
+    if which == "chat":
+        body["messages"] = [{"role": m.role, "content": m.content} for m in req.chat.messages]
+        if req.HasField("logprobs"):
+            body.update(logprobs=True, top_logprobs=req.logprobs)
+        return "chat", body
+    body["prompt"] = req.text if which == "text" else list(req.token_ids.ids)
+    if req.HasField("logprobs"):
+        body["logprobs"] = req.logprobs
+    return "text", body
+
+
+async def generate(server: OpenAIServer, req: pb.GenerateRequest,
+                   timeout_s: float | None) -> AsyncIterator[pb.GenerateResponse]:
+    """Stream one request's tokens; raises APIError (before or after the first message)."""
+    deadline = deadline_after(timeout_s)
+    kind, body = request_body(req)
+    prepared = server.prepare(kind, body)
+    with_logprobs = prepared.params.logprobs is not None
+    samples = server.samples(prepared)
+    completion = 0
+    try:
+        while True:
+            try:
+                j, d = await within(samples.__anext__(), deadline)
+            except StopAsyncIteration:
+                break
+            if not (d.text or d.token_ids or d.finish_reason):
+                continue
+            completion += len(d.token_ids)
+            out = pb.GenerateResponse(id=prepared.request_id, index=j, text=d.text, token_ids=d.token_ids,
+                                      finish_reason=d.finish_reason or "")
+            if isinstance(d.stop_reason, str):
+                out.stop_string = d.stop_reason
+            elif d.stop_reason is not None:
+                out.stop_token_id = d.stop_reason
+            if with_logprobs:
+                out.logprobs.extend(_logprobs(server, e) for e in d.logprobs or [])
+            yield out
+    finally:
+        await samples.aclose()
+    prompt = len(prepared.prompt_ids)
+    yield pb.GenerateResponse(id=prepared.request_id, usage=pb.Usage(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion))
+
+
+def _logprobs(server: OpenAIServer, entry: Any) -> pb.TokenLogprob:
+    s = entry.sampled
+    return pb.TokenLogprob(token_id=s.token_id, token=server.token_text(s.token_id), logprob=s.logprob,
+                           top=[pb.TopLogprob(token_id=t.token_id, token=server.token_text(t.token_id),
+                                              logprob=t.logprob) for t in entry.top])
+

@@ -1,0 +1,197 @@
+"""tandem.proto's Generate over the OpenAI server, in one process (no Ray, no sockets): a gRPC
+request gives the same tokens, usage and errors as the same request over the HTTP API, and a
+stream that ends early (closed, or past its deadline) frees everything. The same RPC through
+Serve's gRPC proxy with a grpcio client: tests/cluster/test_grpc.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from cluster.config import AppConfig
+from cluster.decode.server import DecodeServer
+from cluster.engine.tokenizer import Tokenizer
+from cluster.prefill.server import LocalPrefillClient, PrefillServer
+from cluster.router import grpc_api
+from cluster.router import tandem_pb2 as pb
+from cluster.router.openai_server import OpenAIServer
+from cluster.router.protocol import APIError
+
+MODEL = "tiny"
+QUESTION = "Say something."
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_paths):
+    path = str(tiny_model_paths["llama"])
+    args = {"model": path, "engine": {"num_blocks": 64, "max_num_seqs": 8}, "kv_transfer": {"connector": "tcp"}}
+    prefill = PrefillServer(AppConfig.from_args(args))
+    decode = DecodeServer(AppConfig.from_args(args))
+    client = LocalPrefillClient(prefill)
+    server = OpenAIServer(MODEL, Tokenizer(path), 1024, lambda rid, ids, p: decode.generate(rid, ids, p, client))
+    yield {"server": server, "decode": decode, "prefill": prefill}
+    prefill.close()
+    decode.close()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def chat_request(**kw) -> pb.GenerateRequest:
+    return pb.GenerateRequest(model=MODEL, chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=QUESTION)]),
+                              **kw)
+
+
+def chat_body(**kw) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": QUESTION}], **kw}
+
+
+async def collect(server: OpenAIServer, req: pb.GenerateRequest, timeout_s: float | None = None) -> list:
+    return [m async for m in grpc_api.generate(server, req, timeout_s)]
+
+
+def choices(messages: list) -> dict[int, dict]:
+    """Per choice index: its text, token ids, logprobs and finish, joined from the messages."""
+    out: dict[int, dict] = {}
+    for m in messages[:-1]:
+        c = out.setdefault(m.index, {"text": "", "ids": [], "logprobs": [], "finish": None, "stop": None})
+        assert c["finish"] is None, "nothing follows a choice's finishing message"
+        c["text"] += m.text
+        c["ids"] += list(m.token_ids)
+        c["logprobs"] += list(m.logprobs)
+        c["finish"] = m.finish_reason or None
+        c["stop"] = m.WhichOneof("stop_reason") and getattr(m, m.WhichOneof("stop_reason"))
+    return out
+
+
+async def idle(stack) -> tuple[dict, dict]:
+    await asyncio.sleep(0.3)
+    return await stack["decode"].stats(), await stack["prefill"].stats()
+
+
+def test_greedy_chat_streams_the_http_answer_with_usage(stack):
+    async def go():
+        return (await collect(stack["server"], chat_request(temperature=0, max_tokens=12)),
+                await stack["server"].chat(chat_body(temperature=0, max_tokens=12)))
+
+    messages, http = run(go())
+    last = messages[-1]
+    assert last.HasField("usage") and not last.text and not last.token_ids
+    assert [m.HasField("usage") for m in messages].count(True) == 1
+    assert len(messages) > 2  # streamed: the text came in pieces, not in one message
+    (c,) = choices(messages).values()
+    assert c["text"] == http["choices"][0]["message"]["content"] and c["finish"] == "length"
+    assert len(c["ids"]) == 12
+    u = http["usage"]
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.total_tokens) == \
+        (u["prompt_tokens"], u["completion_tokens"], u["total_tokens"])
+    assert len({m.id for m in messages}) == 1 and messages[0].id.startswith("chatcmpl-")
+
+
+def test_n_seed_logprobs_and_stop_mean_what_they_mean_over_http(stack):
+    sampling = dict(n=2, temperature=0.9, seed=7, max_tokens=8, ignore_eos=True)
+
+    async def go():
+        g = await collect(stack["server"], chat_request(**sampling, logprobs=2))
+        h = await stack["server"].chat(chat_body(**sampling, logprobs=True, top_logprobs=2))
+        return g, h
+
+    g, h = run(go())
+    got = choices(g)
+    assert sorted(got) == [0, 1]
+    for j in (0, 1):
+        want = h["choices"][j]
+        assert got[j]["text"] == want["message"]["content"]
+        lps = got[j]["logprobs"]
+        assert len(lps) == len(got[j]["ids"]) == 8 and [e.token_id for e in lps] == got[j]["ids"]
+        assert [e.token for e in lps] == [e["token"] for e in want["logprobs"]["content"]]
+        assert [e.logprob for e in lps] == pytest.approx([e["logprob"] for e in want["logprobs"]["content"]])
+        assert all(len(e.top) == 2 and e.top[0].logprob >= e.top[1].logprob for e in lps)
+    assert got[0]["text"] != got[1]["text"]  # seed + j: two different samples
+
+    # a stop string found in the greedy text ends it there, and the message says which one
+    greedy = choices(run(collect(stack["server"], chat_request(temperature=0, max_tokens=12))))[0]["text"]
+    stop = greedy.strip().split()[1]
+    c = choices(run(collect(stack["server"], chat_request(temperature=0, max_tokens=12, stop=[stop]))))[0]
+    assert (c["finish"], c["stop"]) == ("stop", stop) and stop not in c["text"]
+
+
+def test_completion_prompts_text_and_token_ids(stack):
+    server = stack["server"]
+    ids = server.tokenizer.encode("The shelves hold")
+
+    async def go():
+        by_text = await collect(server, pb.GenerateRequest(model=MODEL, text="The shelves hold", temperature=0))
+        by_ids = await collect(server, pb.GenerateRequest(model=MODEL, token_ids=pb.TokenIds(ids=ids),
+                                                          temperature=0, ignore_eos=True))
+        http = await server.completions({"model": MODEL, "prompt": "The shelves hold", "temperature": 0})
+        return by_text, by_ids, http
+
+    by_text, by_ids, http = run(go())
+    assert by_text[-1].id.startswith("cmpl-")
+    assert choices(by_text)[0]["text"] == http["choices"][0]["text"]
+    assert by_text[-1].usage.completion_tokens == http["usage"]["completion_tokens"]
+    assert by_ids[-1].usage.completion_tokens == 16  # the completions default, as over HTTP
+    assert by_ids[-1].usage.prompt_tokens == len(ids)
+
+
+@pytest.mark.parametrize("req, body, kind, code", [
+    (chat_request(temperature=3.0), chat_body(temperature=3.0), "chat", grpc.StatusCode.INVALID_ARGUMENT),
+    (chat_request(temperature=float("nan")), chat_body(temperature=float("nan")), "chat",
+     grpc.StatusCode.INVALID_ARGUMENT),
+    (chat_request(n=100), chat_body(n=100), "chat", grpc.StatusCode.INVALID_ARGUMENT),
+    (chat_request(max_tokens=0), chat_body(max_tokens=0), "chat", grpc.StatusCode.INVALID_ARGUMENT),
+    (chat_request(max_tokens=5000), chat_body(max_tokens=5000), "chat", grpc.StatusCode.INVALID_ARGUMENT),
+    (chat_request(seed=-1), chat_body(seed=-1), "chat", grpc.StatusCode.INVALID_ARGUMENT),
+    (chat_request(logprobs=21), chat_body(logprobs=True, top_logprobs=21), "chat", grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.GenerateRequest(model=MODEL, chat=pb.Chat(messages=[pb.ChatMessage(role="wizard", content="x")])),
+     {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, "chat", grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.GenerateRequest(model=MODEL, chat=pb.Chat()), {"model": MODEL, "messages": []}, "chat",
+     grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.GenerateRequest(model=MODEL, text="a\x00b"), {"model": MODEL, "prompt": "a\x00b"}, "text",
+     grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.GenerateRequest(model=MODEL, token_ids=pb.TokenIds(ids=[1, 10**9])), {"model": MODEL, "prompt": [1, 10**9]},
+     "text", grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.GenerateRequest(model="gpt-4", text="hi"), {"model": "gpt-4", "prompt": "hi"}, "text",
+     grpc.StatusCode.NOT_FOUND),
+])
+def test_bad_requests_get_the_http_message_with_a_grpc_code(stack, req, body, kind, code):
+    server = stack["server"]
+    with pytest.raises(APIError) as over_grpc:
+        run(collect(server, req))
+    with pytest.raises(APIError) as over_http:
+        run(server.chat(body) if kind == "chat" else server.completions(body))
+    assert over_grpc.value.body() == over_http.value.body()
+    assert grpc_api.status_code(over_grpc.value) == code
+
+
+def test_a_request_without_a_prompt_is_refused_by_name(stack):
+    with pytest.raises(APIError) as info:
+        run(collect(stack["server"], pb.GenerateRequest(model=MODEL, temperature=0)))
+    assert info.value.status == 400 and info.value.param == "prompt"
+
+
+def test_a_stream_closed_early_or_past_its_deadline_frees_everything(stack):
+    long = dict(temperature=0, max_tokens=400, ignore_eos=True)
+
+    async def closed_early():
+        stream = grpc_api.generate(stack["server"], chat_request(**long), None)
+        got = [await stream.__anext__() for _ in range(3)]
+        await stream.aclose()  # what Serve does when the client cancels
+        return got, await idle(stack)
+
+    got, (d, p) = run(closed_early())
+    assert len(got) == 3 and not any(m.finish_reason for m in got)
+    assert d["blocks_in_use"] == 0 and d["num_running"] == 0 and p["blocks_in_use"] == 0
+
+    async def past_deadline():
+        with pytest.raises(APIError) as info:
+            await collect(stack["server"], chat_request(**long), timeout_s=0.3)
+        return info.value, await idle(stack)
+
+    err, (d, p) = run(past_deadline())
+    assert err.status == 408 and grpc_api.status_code(err) == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert d["blocks_in_use"] == 0 and d["num_running"] == 0 and p["blocks_in_use"] == 0
