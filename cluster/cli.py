@@ -104,10 +104,14 @@ def _down(args: argparse.Namespace) -> int:
 
 
 def _ray_env() -> dict[str, str]:
-    """Ray with token authentication (the token lives in ~/.ray/auth_token)."""
+    """Ray with token authentication (the token lives in ~/.ray/auth_token), and a bound on gRPC
+    messages."""
     import os
 
-    return {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")}
+    # Serve's gRPC proxy takes messages up to 2 GiB unless told otherwise (the router refuses
+    # anything over max_request_bytes, but only after the proxy has read it): gRPC's own 4 MiB
+    return {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token"),
+            "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": os.environ.get("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(4 << 20))}
 
 
 def build_parser() -> argparse.ArgumentParser:

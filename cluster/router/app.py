@@ -186,7 +186,8 @@ class RouterDeployment:
             if not REQUEST_ID.match(rid):
                 raise APIError(400, "request_id must be 1-128 of A-Z a-z 0-9 . _ : -", param="request_id")
             request_log.current_request_id.set(rid)
-            async for message in grpc_api.generate(self.openai, request, self.config.request_timeout_s):
+            async for message in grpc_api.generate(self.openai, request, self.config.request_timeout_s,
+                                                   self.config.max_request_bytes):
                 yield message
         except Exception as exc:  # (a client gone cancels the generator: nothing to answer)
             err = exc if isinstance(exc, APIError) else as_api_error(exc)

@@ -67,10 +67,13 @@ def request_body(req: pb.GenerateRequest) -> tuple[str, dict[str, Any]]:
     return "text", body
 
 
-async def generate(server: OpenAIServer, req: pb.GenerateRequest,
-                   timeout_s: float | None) -> AsyncIterator[pb.GenerateResponse]:
-    """Stream one request's tokens; raises APIError (before or after the first message)."""
+async def generate(server: OpenAIServer, req: pb.GenerateRequest, timeout_s: float | None,
+                   max_bytes: int | None = None) -> AsyncIterator[pb.GenerateResponse]:
+    """Stream one request's tokens; raises APIError (before or after the first message).
+    `max_bytes`: the largest request taken (the HTTP body limit)."""
     deadline = deadline_after(timeout_s)
+    if max_bytes is not None and req.ByteSize() > max_bytes:
+        raise APIError(413, f"the request exceeds {max_bytes} bytes")
     kind, body = request_body(req)
     prepared = server.prepare(kind, body)
     with_logprobs = prepared.params.logprobs is not None

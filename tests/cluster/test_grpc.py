@@ -125,6 +125,8 @@ def test_errors_carry_the_http_message_and_a_grpc_code(cluster):
     err = refused(chat(max_tokens=5000))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "maximum context length is 1024" in err.details()
     assert refused(pb.GenerateRequest(model="tiny")).code() == grpc.StatusCode.INVALID_ARGUMENT
+    err = refused(pb.GenerateRequest(model="tiny", text="x" * (2 << 20)))  # over max_request_bytes (1 MiB)
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and err.details() == "the request exceeds 1048576 bytes"
     err = refused(chat(max_tokens=4), metadata=AUTH + [("request_id", "not a valid id!")])
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in err.details()
 

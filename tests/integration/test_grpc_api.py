@@ -168,10 +168,19 @@ def test_bad_requests_get_the_http_message_with_a_grpc_code(stack, req, body, ki
     assert grpc_api.status_code(over_grpc.value) == code
 
 
-def test_a_request_without_a_prompt_is_refused_by_name(stack):
+def test_a_request_without_a_prompt_or_over_the_size_limit_is_refused(stack):
     with pytest.raises(APIError) as info:
         run(collect(stack["server"], pb.GenerateRequest(model=MODEL, temperature=0)))
     assert info.value.status == 400 and info.value.param == "prompt"
+
+    async def too_big():
+        return [m async for m in grpc_api.generate(stack["server"], pb.GenerateRequest(model=MODEL, text="x" * 2048),
+                                                   None, max_bytes=1024)]
+
+    with pytest.raises(APIError) as info:
+        run(too_big())
+    assert info.value.message == "the request exceeds 1024 bytes"
+    assert grpc_api.status_code(info.value) == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 def test_a_stream_closed_early_or_past_its_deadline_frees_everything(stack):
