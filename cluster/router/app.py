@@ -3,10 +3,10 @@ prefill pool for each prompt's KV (disaggregated) or prefills locally (colocated
 
     serve deploy configs/serve.yaml      # import_path: cluster.router.app:build_app
 
-    HTTP ─▶ Router ── DecodeRouter ──▶ DecodePool ── PrefillRouter ──▶ PrefillPool
-              ▲        (free blocks,      │  ▲          (queued prompt      │
-              │         load)             │  └── KV via the connector ◀────┘
-              └──── token deltas (streamed; several tokens per chunk when behind)
+    HTTP, gRPC ─▶ Router ── DecodeRouter ──▶ DecodePool ── PrefillRouter ──▶ PrefillPool
+                    ▲        (free blocks,      │  ▲          (queued prompt      │
+                    │         load)             │  └── KV via the connector ◀────┘
+                    └──── token deltas (streamed; several tokens per chunk when behind)
 
 Pool sizes, autoscaling and actor options come from the YAML `deployments:` entries named
 Router, PrefillPool and DecodePool; model, connector, cache and scheduler from the app's args.
@@ -155,11 +155,11 @@ class RouterDeployment:
 
     @api.get("/debug/requests/{request_id}")
     async def debug_request(self, request: Request, request_id: str) -> Response:
-        """The traces of a request this router replica served (its X-Request-Id), one per choice."""
+        """The traces of a request (its X-Request-Id), one per choice, whichever router served it."""
         self._auth(request)
-        traces = self.log.traces.get(request_id)
-        if traces is None:
-            raise APIError(404, "no trace of that request id on this router replica", param="request_id")
+        traces = self.log.traces.get(request_id) or await board(self.app_name).trace.remote(request_id)
+        if traces is None:  # (another router's reach the board within a posting period)
+            raise APIError(404, "no trace of that request id", param="request_id")
         return JSONResponse({"request_id": request_id, "traces": traces})
 
     @api.get("/metrics")
@@ -254,13 +254,14 @@ class RouterDeployment:
         self.log.counters[f"rejected_{err.code}"] += 1
         raise err
 
-    async def _stats(self) -> dict[str, Any]:
-        return {"pool": "router", "replica": self.replica_id, "active": self.active, **self.log.stats()}
+    async def _stats(self, new_traces: bool = False) -> dict[str, Any]:
+        stats = {"pool": "router", "replica": self.replica_id, "active": self.active, **self.log.stats()}
+        return {**stats, "traces": self.log.drain()} if new_traces else stats
 
     def _ensure_posting(self) -> None:
         if self._poster is None or self._poster.done():
             self._poster = asyncio.get_running_loop().create_task(
-                post_forever(self.app_name, self.replica_id, self._stats))
+                post_forever(self.app_name, self.replica_id, lambda: self._stats(new_traces=True)))
 
     async def _empty_pool(self) -> str | None:
         """A pool with no RUNNING replica (as of the last look, at most POOL_WATCH_PERIOD_S old)."""

@@ -7,7 +7,8 @@ sees them), counters, and one trace per request joining what every part of the c
                                replica: prefill replica and time, KV bytes and send/receive time,
                                decode queue wait, decode replica) + the router's own figures
                              → one JSON line on the `tandem.trace` logger, and kept in a bounded
-                               ring for GET /debug/requests/{request_id}
+                               ring for GET /debug/requests/{request_id}, and handed to the stats
+                               board (`drain`) so every router replica can answer for it
 
 A request whose stream ends without a finish (client gone, deadline, error) is traced too, with
 `finish_reason` null and the error's type.
@@ -21,7 +22,7 @@ import logging
 import re
 import sys
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from typing import Any, AsyncIterator
 
 from cluster.metrics import E2E_BUCKETS, TTFT_BUCKETS, Histogram
@@ -41,6 +42,7 @@ class RequestLog:
         self.e2e = Histogram(E2E_BUCKETS)
         self.counters: Counter[str] = Counter()
         self.traces: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()  # request id → its children's
+        self.unposted: deque[dict[str, Any]] = deque(maxlen=KEEP_TRACES)  # since the last `drain`
 
     async def track(self, request_id: str, child_id: str, deltas: AsyncIterator[list[TokenDelta]],
                     extra: dict[str, Any] | None = None) -> AsyncIterator[list[TokenDelta]]:
@@ -75,7 +77,14 @@ class RequestLog:
         self.traces.move_to_end(entry["request_id"])
         while len(self.traces) > KEEP_TRACES:
             self.traces.popitem(last=False)
+        self.unposted.append(entry)
         logger.info(json.dumps(entry, sort_keys=True))
+
+    def drain(self) -> list[dict[str, Any]]:
+        """The traces recorded since the last call (for the stats board)."""
+        out = list(self.unposted)
+        self.unposted.clear()
+        return out
 
     def stats(self) -> dict[str, Any]:
         return {**self.counters, "histograms": {"vllm:time_to_first_token_seconds": self.ttft.to_dict(),

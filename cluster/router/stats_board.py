@@ -2,27 +2,40 @@
 can answer /debug/stats for the whole app: Serve handles reach one replica per call, not all.
 
 Replicas post every `PERIOD_S`; entries older than `STALE_S` (a replica that died) are dropped.
+Routers also post the traces they recorded since their last post (a "traces" list in the
+stats), kept in a bounded ring by request id, so any router answers /debug/requests/{id}.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from typing import Any, Awaitable, Callable
 
 import ray
 
 PERIOD_S = 0.5
 STALE_S = 5.0
+KEEP_TRACES = 8192  # request ids
 
 
 @ray.remote(num_cpus=0)
 class StatsBoard:
     def __init__(self) -> None:
         self.entries: dict[str, tuple[float, dict[str, Any]]] = {}
+        self.traces: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
 
     def post(self, replica: str, stats: dict[str, Any]) -> None:
+        for trace in stats.pop("traces", None) or []:
+            self.traces.setdefault(trace["request_id"], []).append(trace)
+            self.traces.move_to_end(trace["request_id"])
+        while len(self.traces) > KEEP_TRACES:
+            self.traces.popitem(last=False)
         self.entries[replica] = (time.monotonic(), stats)
+
+    def trace(self, request_id: str) -> list[dict[str, Any]] | None:
+        return self.traces.get(request_id)
 
     def remove(self, replica: str) -> None:
         self.entries.pop(replica, None)

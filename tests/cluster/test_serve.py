@@ -179,6 +179,27 @@ def test_each_request_is_traced_under_its_id(serve_url):
         time.sleep(0.5)
     assert lines == [trace]
 
+    # two router replicas: whichever one a lookup lands on knows every request's trace
+    from serving import apply_config, load_config, running_replicas, wait_for
+
+    config = load_config("serve.yaml")
+    config["applications"][0]["deployments"][0]["num_replicas"] = 2
+    apply_config(config)
+    wait_for(lambda: running_replicas().get("Router") == 2, 120, "a second router replica")
+    ids = [f"two-routers-{i}" for i in range(12)]
+    six = json.dumps({**json.loads(body), "ignore_eos": True}).encode()
+    for rid in ids:
+        assert http_request(serve_url, "POST", "/v1/chat/completions", six, {"X-Request-Id": rid})[0] == 200
+    time.sleep(1.5)  # a few posting periods: every router's traces on the board
+    served_by = set()
+    for rid in ids * 3:
+        status, _, raw = http_request(serve_url, "GET", f"/debug/requests/{rid}")
+        assert status == 200, (rid, raw)
+        (trace,) = json.loads(raw)["traces"]
+        assert trace["request_id"] == rid and trace["completion_tokens"] == 6
+        served_by.add(trace["router_replica"])
+    assert len(served_by) == 2  # both routers served some (so lookups also met the other one)
+
 
 def test_greedy_identical_colocated_and_every_connector(serve_url):
     outputs = {}
