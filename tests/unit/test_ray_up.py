@@ -150,6 +150,31 @@ def test_head_runs_the_setup_commands_then_starts_ray(cluster):
     assert {e["node_id"] for e in cluster.up_events if e["event"] == "run"} == {cluster.head_id}
 
 
+def test_setup_commands_can_run_again(tmp_path):
+    """What a node's shell does with the setup commands, twice (a second `ray up`): sudo, git and
+    make are stand-ins that log their arguments (git clone makes the folder), so the file's own
+    shell logic runs for real in a scratch home. The first run clones, the second pulls, and
+    ~/.bashrc gets the venv line once."""
+    home, bin_dir = tmp_path / "home", tmp_path / "bin"
+    home.mkdir()
+    bin_dir.mkdir()
+    log = tmp_path / "calls"
+    for name, extra in {"sudo": "", "make": "",
+                        "git": 'if [ "$1" = clone ]; then mkdir -p "$3"; fi'}.items():
+        (bin_dir / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {log}\n{extra}\n')
+        (bin_dir / name).chmod(0o755)
+    env = {"HOME": str(home), "PATH": f"{bin_dir}:/usr/bin:/bin"}
+    commands = yaml.safe_load(CLUSTER_YAML.read_text())["setup_commands"]
+    for _ in range(2):
+        for cmd in commands:
+            subprocess.run(["bash", "-c", cmd], cwd=home, env=env, check=True)
+    calls = log.read_text().splitlines()
+    gits = [c for c in calls if c.startswith("git ")]
+    assert len(gits) == 2 and gits[0].startswith("git clone ") and gits[1] == "git -C tandem pull --ff-only"
+    assert calls.count("make install") == 2
+    assert (home / ".bashrc").read_text().splitlines() == ["source ~/tandem/.venv/bin/activate"]
+
+
 def test_head_gets_the_autoscaling_config_the_workers_need(cluster):
     config = cluster.config
     synced = [e for e in cluster.up_events
