@@ -5,6 +5,7 @@ driven from the bench. How the timing works is in bench/kvtransfer.py's docstrin
 from __future__ import annotations
 
 import os
+import statistics
 import threading
 import time
 import zlib
@@ -16,6 +17,10 @@ import torch
 LAYOUT_ARGS = dict(model="SmolLM2-135M-Instruct", num_layers=30, num_kv_heads=3, head_dim=64,
                    block_size=16, dtype="float32")
 TIMEOUT_S = 60.0
+
+
+def median_ms(xs: list[float]) -> float:
+    return round(statistics.median(xs) * 1e3, 3)
 
 
 def kv_layout():
@@ -189,7 +194,7 @@ class Peer:
                 t = time.perf_counter()
                 fn()
                 ts.append(time.perf_counter() - t)
-            return _median_ms(ts)
+            return median_ms(ts)
 
         def put_and_drop() -> None:
             ref = ray.put(np.frombuffer(view, dtype=np.uint8))

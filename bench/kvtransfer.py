@@ -69,14 +69,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kv_peer import Peer, kv_layout, one_connector, one_gloo, one_zmq  # noqa: E402
+from kv_peer import Peer, kv_layout, median_ms, one_connector, one_gloo, one_zmq  # noqa: E402
 
 TARGETS = {"tcp_vs_raw_zmq_min": 0.7, "shared_store_vs_memcpy_min": 0.5}
 CONNECTORS = ("shared_store", "tcp", "collective")
-
-
-def _median_ms(xs: list[float]) -> float:
-    return round(statistics.median(xs) * 1e3, 3)
 
 
 def _gbps(nbytes: int, ms: float) -> float:
@@ -216,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
         m = micro[tokens]
 
         def total_ms(sts: list[dict[str, float]]) -> float:
-            return _median_ms([s["t_end"] - s["t0"] for s in sts])
+            return median_ms([s["t_end"] - s["t0"] for s in sts])
 
         raw = {"memcpy": {"ms": m["memcpy_ms"], "gbps": _gbps(nbytes, m["memcpy_ms"])}}
         for kind in ("raw_zmq", "raw_gloo"):
@@ -231,12 +227,12 @@ def main(argv: list[str] | None = None) -> dict:
             conns[name] = {
                 "ms": ms, "gbps": _gbps(nbytes, ms),
                 "min_ms": round(min(s["t_end"] - s["t0"] for s in sts) * 1e3, 3),
-                "send_ms": _median_ms([s["t_send_done"] - s["t0"] for s in sts]),
-                "recv_ms": _median_ms([s["t_end"] - s["t_recv_start"] for s in sts]),
-                "tail_ms": _median_ms([s["t_end"] - max(s["t_send_done"], s["t_recv_start"]) for s in sts]),
+                "send_ms": median_ms([s["t_send_done"] - s["t0"] for s in sts]),
+                "recv_ms": median_ms([s["t_end"] - s["t_recv_start"] for s in sts]),
+                "tail_ms": median_ms([s["t_end"] - max(s["t_send_done"], s["t_recv_start"]) for s in sts]),
             }
             if name == "shared_store":
-                conns[name]["handoff_ms"] = _median_ms([s["t_recv_start"] - s["t_send_done"] for s in sts])
+                conns[name]["handoff_ms"] = median_ms([s["t_recv_start"] - s["t_send_done"] for s in sts])
         for name, why in skipped.items():
             conns[name] = {"skipped": why}
         ratios = {}
