@@ -10,30 +10,13 @@ import asyncio
 import grpc
 import pytest
 
-from cluster.config import AppConfig
-from cluster.decode.server import DecodeServer
-from cluster.engine.tokenizer import Tokenizer
-from cluster.prefill.server import LocalPrefillClient, PrefillServer
 from cluster.router import grpc_api
 from cluster.router import tandem_pb2 as pb
 from cluster.router.openai_server import OpenAIServer
 from cluster.router.protocol import APIError
 
-MODEL = "tiny"
+MODEL = "tiny"  # the served name of the `stack` fixture (tests/integration/conftest.py)
 QUESTION = "Say something."
-
-
-@pytest.fixture(scope="module")
-def stack(tiny_model_paths):
-    path = str(tiny_model_paths["llama"])
-    args = {"model": path, "engine": {"num_blocks": 64, "max_num_seqs": 8}, "kv_transfer": {"connector": "tcp"}}
-    prefill = PrefillServer(AppConfig.from_args(args))
-    decode = DecodeServer(AppConfig.from_args(args))
-    client = LocalPrefillClient(prefill)
-    server = OpenAIServer(MODEL, Tokenizer(path), 1024, lambda rid, ids, p: decode.generate(rid, ids, p, client))
-    yield {"server": server, "decode": decode, "prefill": prefill}
-    prefill.close()
-    decode.close()
 
 
 def run(coro):
@@ -74,8 +57,8 @@ async def idle(stack) -> tuple[dict, dict]:
 
 def test_greedy_chat_streams_the_http_answer_with_usage(stack):
     async def go():
-        return (await collect(stack["server"], chat_request(temperature=0, max_tokens=12)),
-                await stack["server"].chat(chat_body(temperature=0, max_tokens=12)))
+        return (await collect(stack["disagg"], chat_request(temperature=0, max_tokens=12)),
+                await stack["disagg"].chat(chat_body(temperature=0, max_tokens=12)))
 
     messages, http = run(go())
     last = messages[-1]
@@ -95,8 +78,8 @@ def test_n_seed_logprobs_and_stop_mean_what_they_mean_over_http(stack):
     sampling = dict(n=2, temperature=0.9, seed=7, max_tokens=8, ignore_eos=True)
 
     async def go():
-        g = await collect(stack["server"], chat_request(**sampling, logprobs=2))
-        h = await stack["server"].chat(chat_body(**sampling, logprobs=True, top_logprobs=2))
+        g = await collect(stack["disagg"], chat_request(**sampling, logprobs=2))
+        h = await stack["disagg"].chat(chat_body(**sampling, logprobs=True, top_logprobs=2))
         return g, h
 
     g, h = run(go())
@@ -113,14 +96,14 @@ def test_n_seed_logprobs_and_stop_mean_what_they_mean_over_http(stack):
     assert got[0]["text"] != got[1]["text"]  # seed + j: two different samples
 
     # a stop string found in the greedy text ends it there, and the message says which one
-    greedy = choices(run(collect(stack["server"], chat_request(temperature=0, max_tokens=12))))[0]["text"]
+    greedy = choices(run(collect(stack["disagg"], chat_request(temperature=0, max_tokens=12))))[0]["text"]
     stop = greedy.strip().split()[1]
-    c = choices(run(collect(stack["server"], chat_request(temperature=0, max_tokens=12, stop=[stop]))))[0]
+    c = choices(run(collect(stack["disagg"], chat_request(temperature=0, max_tokens=12, stop=[stop]))))[0]
     assert (c["finish"], c["stop"]) == ("stop", stop) and stop not in c["text"]
 
 
 def test_completion_prompts_text_and_token_ids(stack):
-    server = stack["server"]
+    server = stack["disagg"]
     ids = server.tokenizer.encode("The shelves hold")
 
     async def go():
@@ -159,7 +142,7 @@ def test_completion_prompts_text_and_token_ids(stack):
      grpc.StatusCode.NOT_FOUND),
 ])
 def test_bad_requests_get_the_http_message_with_a_grpc_code(stack, req, body, kind, code):
-    server = stack["server"]
+    server = stack["disagg"]
     with pytest.raises(APIError) as over_grpc:
         run(collect(server, req))
     with pytest.raises(APIError) as over_http:
@@ -170,11 +153,11 @@ def test_bad_requests_get_the_http_message_with_a_grpc_code(stack, req, body, ki
 
 def test_a_request_without_a_prompt_or_over_the_size_limit_is_refused(stack):
     with pytest.raises(APIError) as info:
-        run(collect(stack["server"], pb.GenerateRequest(model=MODEL, temperature=0)))
+        run(collect(stack["disagg"], pb.GenerateRequest(model=MODEL, temperature=0)))
     assert info.value.status == 400 and info.value.param == "prompt"
 
     async def too_big():
-        return [m async for m in grpc_api.generate(stack["server"], pb.GenerateRequest(model=MODEL, text="x" * 2048),
+        return [m async for m in grpc_api.generate(stack["disagg"], pb.GenerateRequest(model=MODEL, text="x" * 2048),
                                                    None, max_bytes=1024)]
 
     with pytest.raises(APIError) as info:
@@ -187,7 +170,7 @@ def test_a_stream_closed_early_or_past_its_deadline_frees_everything(stack):
     long = dict(temperature=0, max_tokens=400, ignore_eos=True)
 
     async def closed_early():
-        stream = grpc_api.generate(stack["server"], chat_request(**long), None)
+        stream = grpc_api.generate(stack["disagg"], chat_request(**long), None)
         got = [await stream.__anext__() for _ in range(3)]
         await stream.aclose()  # what Serve does when the client cancels
         return got, await idle(stack)
@@ -198,7 +181,7 @@ def test_a_stream_closed_early_or_past_its_deadline_frees_everything(stack):
 
     async def past_deadline():
         with pytest.raises(APIError) as info:
-            await collect(stack["server"], chat_request(**long), timeout_s=0.3)
+            await collect(stack["disagg"], chat_request(**long), timeout_s=0.3)
         return info.value, await idle(stack)
 
     err, (d, p) = run(past_deadline())

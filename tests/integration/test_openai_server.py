@@ -9,33 +9,9 @@ import time
 
 import pytest
 
-from cluster.config import AppConfig
-from cluster.decode.server import DecodeServer
-from cluster.engine.tokenizer import Tokenizer
-from cluster.prefill.server import LocalPrefillClient, PrefillServer
-from cluster.router.openai_server import OpenAIServer
 from cluster.router.protocol import APIError
 
-MODEL = "tiny"
-
-
-@pytest.fixture(scope="module")
-def stack(tiny_model_paths):
-    path = str(tiny_model_paths["llama"])
-    args = {"model": path, "engine": {"num_blocks": 64, "max_num_seqs": 8}, "kv_transfer": {"connector": "tcp"}}
-    prefill = PrefillServer(AppConfig.from_args(args))
-    decode = DecodeServer(AppConfig.from_args(args))
-    colocated = DecodeServer(AppConfig.from_args({**args, "mode": "colocated"}))
-    tok = Tokenizer(path)
-    client = LocalPrefillClient(prefill)
-
-    def server(dec, pre):
-        return OpenAIServer(MODEL, tok, 1024, lambda rid, ids, p: dec.generate(rid, ids, p, pre))
-
-    yield {"disagg": server(decode, client), "colocated": server(colocated, None),
-           "decode": decode, "prefill": prefill, "colocated_server": colocated}
-    for s in (prefill, decode, colocated):
-        s.close()
+MODEL = "tiny"  # the served name of the `stack` fixture (tests/integration/conftest.py)
 
 
 def run(coro):
