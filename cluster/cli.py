@@ -48,7 +48,8 @@ def _up(args: argparse.Namespace) -> int:
     from cluster.models.default_model import ensure_default_model
     from cluster.serve_config import load_yaml, validate_serve_config
 
-    apps = validate_serve_config(args.config)  # fail here, with the key named, not in a replica
+    config = load_yaml(args.config)
+    apps = validate_serve_config(config)  # fail here, with the key named, not in a replica
     if any(a.engine.model.model is None for a in apps):
         ensure_default_model(args.cache_dir)  # convert once, before replicas race for it
     bindir = sys.executable.rsplit("/", 1)[0]
@@ -81,7 +82,7 @@ def _up(args: argparse.Namespace) -> int:
 print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Hi!'}}]).choices[0].message.content)"
 
 Stop with `make stop`.""")
-    grpc_port = (load_yaml(args.config).get("grpc_options") or {}).get("port")
+    grpc_port = (config.get("grpc_options") or {}).get("port")
     if grpc_port:
         print(f"""
 gRPC (tandem.v1.Tandem/Generate, cluster/router/tandem.proto) on port {grpc_port}:

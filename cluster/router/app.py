@@ -58,6 +58,7 @@ def serving_request_id() -> str:
     """The id Serve's proxy gave the request being served (the one it hands back to the client)."""
     return serve.context._get_serve_request_context().request_id  # ray is pinned: see pyproject.toml
 
+
 api = FastAPI(title="Tandem", docs_url=None, redoc_url=None, openapi_url=None)
 
 
