@@ -107,7 +107,8 @@ class ModelRunner:
             decode_block_tables=tables,
             decode_context_lens=lens,
             prefills=tuple(prefills),
-            cpu_decode=cpu_decode_index(tables, lens, bs) if dec_lens and self.device.type == "cpu" else None,
+            cpu_decode=(cpu_decode_index(tables, lens, bs, self.kv_cache.shape[-2:], self.kv_cache.dtype)
+                        if dec_lens and self.device.type == "cpu" else None),
         )
         return (self._tensor(ids, torch.int64), self._tensor(pos, torch.int64), meta,
                 self._tensor(sample_rows, torch.int64))

@@ -9,10 +9,12 @@ A step's tokens are flattened into one batch, decode tokens first:
 
 Decodes run the Triton paged kernel on CUDA. On CPU the runner instead precomputes, once per
 step, each decode sequence's cache slots and validity mask (`CpuDecodeIndex`); every layer
-then gathers its K/V rows with one index and calls SDPA, about 2x faster than walking block
-tables per layer. Sequences are grouped by context length first (`DecodeGroup`), so a batch
-of short chats with a few long documents does not pad every chat to the longest context:
-one gather and one SDPA call per group.
+then gathers its K/V rows with one `index_select` into a buffer allocated once per step and
+calls SDPA, about 2x faster than walking block tables per layer. (Advanced indexing with the
+2-D slot table, and a fresh buffer per layer, each cost about as much again: 16 chats of ~100
+tokens, 30 layers, one thread: 25 ms that way, 15 ms this way.) Sequences are grouped by
+context length first (`DecodeGroup`), so a batch of short chats with a few long documents
+does not pad every chat to the longest context: one gather and one SDPA call per group.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class DecodeGroup:
     rows: torch.Tensor  # [b] int64: which decode sequences (rows of q)
     slots: torch.Tensor  # [b, Lmax] int64: cache slot of every context position
     valid: torch.Tensor  # [b, 1, 1, Lmax] bool: position < context_len
+    gathered: torch.Tensor  # [2, b * Lmax, Hkv, D]: each layer's K/V rows land here in turn
 
 
 @dataclass(frozen=True)
@@ -55,9 +58,10 @@ class AttentionMetadata:
     cpu_decode: CpuDecodeIndex | None = None
 
 
-def cpu_decode_index(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> CpuDecodeIndex:
-    """block_tables [Bd, W] int32, context_lens [Bd] → per length group, slots and mask for the
-    gathered path. A group starts where a context is longer than max(2x, +256) its first one,
+def cpu_decode_index(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                     kv_row: tuple[int, int], dtype: torch.dtype) -> CpuDecodeIndex:
+    """block_tables [Bd, W] int32, context_lens [Bd] → per length group, slots, mask and a
+    gather buffer of (Hkv, D) = `kv_row` rows for the gathered path. A group starts where a context is longer than max(2x, +256) its first one,
     so padding never more than about doubles a group's gather."""
     lens = context_lens.long()
     order = torch.argsort(lens).tolist()
@@ -73,7 +77,9 @@ def cpu_decode_index(block_tables: torch.Tensor, context_lens: torch.Tensor, blo
         glens = lens[rows]
         pos = torch.arange(int(glens.max()), device=lens.device)  # [Lmax of the group]
         blocks = block_tables.long()[rows][:, pos // block_size]  # [b, Lmax]
-        out.append(DecodeGroup(rows, blocks * block_size + pos % block_size, (pos < glens[:, None])[:, None, None, :]))
+        gathered = torch.empty(2, len(members) * len(pos), *kv_row, dtype=dtype, device=lens.device)
+        out.append(DecodeGroup(rows, blocks * block_size + pos % block_size, (pos < glens[:, None])[:, None, None, :],
+                               gathered))
     return CpuDecodeIndex(tuple(out))
 
 
@@ -115,8 +121,12 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta:
     flat_k, flat_v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
     out = torch.empty_like(q)
     for g in index.groups:
-        keys = flat_k[g.slots].transpose(1, 2)  # [b, Hkv, L, D]
-        values = flat_v[g.slots].transpose(1, 2)
+        b, length = g.slots.shape
+        slots, (keys, values) = g.slots.view(-1), g.gathered
+        torch.index_select(flat_k, 0, slots, out=keys)
+        torch.index_select(flat_v, 0, slots, out=values)
+        keys = keys.view(b, length, num_kv_heads, head_dim).transpose(1, 2)  # [b, Hkv, L, D]
+        values = values.view(b, length, num_kv_heads, head_dim).transpose(1, 2)
         out[g.rows] = F.scaled_dot_product_attention(q[g.rows].unsqueeze(2), keys, values, attn_mask=g.valid,
                                                      scale=scale, enable_gqa=True).squeeze(2)  # [b, Hq, D]
     return out

@@ -50,7 +50,7 @@ def test_mixed_step_of_decodes_and_prefill_chunks_equals_dense_attention(cpu_ind
     dec_tables = torch.tensor([tables[0], tables[1]], dtype=torch.int32)
     dec_lens = torch.tensor([10, 3], dtype=torch.int32)
     meta = AttentionMetadata(torch.tensor(slots), 2, dec_tables, dec_lens, tuple(prefills),
-                             cpu_decode_index(dec_tables, dec_lens, BS) if cpu_index else None)
+                             cpu_decode_index(dec_tables, dec_lens, BS, (HKV, D), kv.dtype) if cpu_index else None)
 
     out = paged_attention(torch.cat(q_parts), torch.cat(k_parts), torch.cat(v_parts), kv, meta,
                           REFERENCE_OPS, 0.3)
@@ -63,7 +63,7 @@ def test_mixed_step_of_decodes_and_prefill_chunks_equals_dense_attention(cpu_ind
 
 def test_cpu_decode_index_masks_positions_past_each_context():
     index = cpu_decode_index(torch.tensor([[3, 1], [2, 0]], dtype=torch.int32),
-                             torch.tensor([6, 2], dtype=torch.int32), BS)
+                             torch.tensor([6, 2], dtype=torch.int32), BS, (HKV, D), torch.float32)
     (group,) = index.groups  # 2 and 6 are close enough to share one padded gather
     by_row = {r: i for i, r in enumerate(group.rows.tolist())}
     assert group.slots[by_row[0]].tolist() == [12, 13, 14, 15, 4, 5]
@@ -74,6 +74,7 @@ def test_cpu_decode_index_masks_positions_past_each_context():
 
 def test_cpu_decode_groups_split_long_contexts_from_short_ones():
     tables = torch.arange(4 * 160, dtype=torch.int32).view(4, 160)
-    index = cpu_decode_index(tables, torch.tensor([600, 20, 30, 640], dtype=torch.int32), BS)
+    index = cpu_decode_index(tables, torch.tensor([600, 20, 30, 640], dtype=torch.int32), BS,
+                             (HKV, D), torch.float32)
     assert [sorted(g.rows.tolist()) for g in index.groups] == [[1, 2], [0, 3]]
     assert [g.slots.shape[1] for g in index.groups] == [30, 640]  # the chats are not padded to 640
