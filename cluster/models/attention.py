@@ -62,8 +62,9 @@ class AttentionMetadata:
 def cpu_decode_index(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
                      kv_row: tuple[int, int], dtype: torch.dtype) -> CpuDecodeIndex:
     """block_tables [Bd, W] int32, context_lens [Bd] → per length group, slots, mask and a
-    gather buffer of (Hkv, D) = `kv_row` rows for the gathered path. A group starts where a context is longer than max(2x, +256) its first one,
-    so padding never more than about doubles a group's gather."""
+    gather buffer of (Hkv, D) = `kv_row` rows for the gathered path. A group starts where a
+    context is longer than max(2x, +256) its first one, so padding never more than about
+    doubles a group's gather."""
     lens = context_lens.long()
     order = torch.argsort(lens).tolist()
     values = lens.tolist()
