@@ -49,14 +49,14 @@ class PoolReplica:
 
     async def inject_fault(self, kind: str) -> None:
         """Tests only, with TANDEM_FAULT_INJECTION=1 in the replica's environment. 'wedge' stops
-        the engine for good (what the health check must catch); the pools add their own kinds,
-        armed for the next request (`self.faults`)."""
+        the engine for good (what the health check must catch); the pools add their own kinds:
+        decode's 'slow_steps' at once, the others armed for the next request (`self.faults`)."""
         if os.environ.get("TANDEM_FAULT_INJECTION") != "1":
             raise PermissionError("fault injection is off (TANDEM_FAULT_INJECTION=1 enables it)")
         if kind not in self.faults_known:
             raise ValueError(f"unknown fault {kind!r}; known: {self.faults_known}")
-        if kind == "wedge":
-            self.server.wedge()
+        if kind in ("wedge", "slow_steps"):  # the engine's own: stop it, or pause between steps
+            getattr(self.server, kind)()
         else:
             self.faults.add(kind)
 

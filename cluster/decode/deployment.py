@@ -39,7 +39,7 @@ class ServePrefillClient:
 @serve.deployment(name="DecodePool", max_ongoing_requests=64, ray_actor_options={"num_cpus": 1})
 class DecodeDeployment(PoolReplica):
     pool = "decode"
-    faults_known = ("wedge", "delay_fetch")
+    faults_known = ("wedge", "delay_fetch", "slow_steps")
 
     def __init__(self, config: dict[str, Any], prefill: DeploymentHandle | None = None) -> None:
         one_torch_thread()

@@ -191,6 +191,10 @@ class DecodeServer:
     def wedge(self) -> None:
         self.engine.wedge()
 
+    def slow_steps(self) -> None:
+        """Tests: 50 ms pauses between steps for 30 s (a long request outlives its caller)."""
+        self.engine.slow_steps(0.05, 30.0)
+
     def close(self) -> None:
         self.engine.shutdown()
         if self.connector is not None:

@@ -16,7 +16,7 @@ import pytest
 from cluster.router import grpc_api
 from cluster.router import tandem_pb2 as pb
 from cluster.router.tandem_pb2_grpc import TandemStub
-from serving import deploy, free_port, http_request, replica_stats, settled
+from serving import APP, deploy, free_port, http_request, replica_stats, settled
 
 pytestmark = pytest.mark.slow
 
@@ -136,7 +136,12 @@ def test_errors_carry_the_http_message_and_a_grpc_code(cluster):
 
 def test_a_cancelled_call_or_one_past_its_deadline_leaves_nothing_in_use(cluster):
     stub, url = cluster["stub"], cluster["url"]
+    from ray import serve
+
     long = dict(temperature=0, max_tokens=900, ignore_eos=True)
+    # 50 ms between decode steps for 30 s: the long request cannot finish before the cancel or
+    # the deadline lands, however slowly the client reads on a busy machine
+    serve.get_deployment_handle("DecodePool", APP).inject_fault.remote("slow_steps").result(timeout_s=10)
 
     call = stub.Generate(chat(**long), metadata=AUTH, timeout=60)
     got = [next(call) for _ in range(3)]
