@@ -49,12 +49,13 @@ _WORDS = ("river stone market lantern harbor engine garden paper window copper s
           "feather glacier compass velvet pepper tunnel marble saddle rocket ember willow falcon quartz").split()
 
 
-def prompt_for(workload: Workload, i: int) -> str:
+def prompt_for(workload: Workload, i: int, salt: int = 0) -> str:
     """Request i's prompt: short and varied, or (every `long_every`-th) ~`long_words` words of
-    distinct notes to summarize (distinct per request, so no prefix cache can skip them)."""
+    notes to summarize, drawn from (salt, i): distinct per request and, with a fresh salt, per
+    run, so no prefix cache can skip them (a warm-up or an earlier run sent other notes)."""
     topic = _TOPICS[i % len(_TOPICS)]
     if workload.long_every and i % workload.long_every == workload.long_every - 1:
-        rng = random.Random(i)
+        rng = random.Random(f"{salt}:{i}")
         notes = " ".join(rng.choice(_WORDS) for _ in range(workload.long_words))
         return f"Here are my notes about {topic}: {notes}\nSummarize them in one paragraph."
     return f"Write a short story about {topic}."
@@ -111,9 +112,12 @@ async def stream_one(session: aiohttp.ClientSession, url: str, model: str, promp
 
 
 async def run_workload(url: str, model: str, workload: Workload, *, api_key: str | None = None,
-                       on_done: Callable[[Sample], None] | None = None) -> tuple[dict[str, Any], list[Sample]]:
-    """Send the workload's requests, `concurrency` at a time; return its summary and samples."""
+                       on_done: Callable[[Sample], None] | None = None,
+                       salt: int | None = None) -> tuple[dict[str, Any], list[Sample]]:
+    """Send the workload's requests, `concurrency` at a time; return its summary and samples.
+    Long prompts are new to the server each run (a random `salt` unless one is given)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    salt = random.SystemRandom().getrandbits(32) if salt is None else salt
     queue = list(range(workload.num_requests))
     samples: list[Sample] = []
     connector = aiohttp.TCPConnector(limit=workload.concurrency + 1)
@@ -122,7 +126,8 @@ async def run_workload(url: str, model: str, workload: Workload, *, api_key: str
         async def worker() -> None:
             while queue:
                 i = queue.pop(0)
-                s = await stream_one(session, url, model, prompt_for(workload, i), workload.max_tokens, headers)
+                s = await stream_one(session, url, model, prompt_for(workload, i, salt), workload.max_tokens,
+                                       headers)
                 samples.append(s)
                 if on_done is not None:
                     on_done(s)

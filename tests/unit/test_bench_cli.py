@@ -148,3 +148,51 @@ def test_an_unreachable_url_fails_fast_naming_it(tmp_path, capsys):
     assert f"colocated=http://127.0.0.1:{port}" in err and "unreachable" in err
     assert "Traceback" not in err
     assert not (tmp_path / "out").exists()  # nothing measured, nothing written
+
+
+def test_long_prompts_are_new_to_the_server_on_every_run():
+    """A prefix cache must not skip the mixed workload's long prompts: not within a run, not after
+    a warm-up or an earlier run (the client records what a minimal SSE server received)."""
+    import asyncio
+
+    from aiohttp import web
+
+    from cluster.loadgen import Workload, run_workload
+
+    async def two_runs() -> list[list[str]]:
+        seen: list[str] = []
+
+        async def chat(request: web.Request) -> web.StreamResponse:
+            seen.append((await request.json())["messages"][0]["content"])
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            chunk = {"choices": [{"index": 0, "delta": {"content": "ok"}, "finish_reason": "length"}],
+                     "usage": {"completion_tokens": 1}}
+            await resp.write(f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode())
+            return resp
+
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        runs = []
+        try:
+            for _ in range(2):
+                seen.clear()
+                w = Workload("mixed", num_requests=8, concurrency=2, long_every=4)
+                summary, _ = await run_workload(f"http://127.0.0.1:{port}", "m", w)
+                assert summary["errors"] == 0, summary
+                runs.append(sorted(seen))
+        finally:
+            await runner.cleanup()
+        return runs
+
+    first, second = asyncio.run(two_runs())
+    long_first = [p for p in first if len(p.split()) > 500]
+    long_second = [p for p in second if len(p.split()) > 500]
+    assert len(long_first) == len(long_second) == 2
+    assert len(set(long_first)) == 2 and not set(long_first) & set(long_second)
+    assert [p for p in first if p not in long_first] == [p for p in second if p not in long_second]
