@@ -1,7 +1,7 @@
 """KV-transfer speed of each connector vs the raw limit of its transport, one JSON line.
 
     python bench/kvtransfer.py [--repeats 5] [--sizes 256,1024,4096]
-                               [--connectors shared_store,tcp,collective]
+                               [--connectors shared_store,tcp,collective] [--malloc-hugetlb 1]
 
 Payload: the default model's packed KV (SmolLM2-135M-Instruct: 30 layers, 3 KV heads,
 head_dim 64, block_size 16, float32 = 46,080 bytes per token), `ceil(tokens / 16)` blocks of
@@ -114,11 +114,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--sizes", default="256,1024,4096", help="prompt sizes in tokens")
     ap.add_argument("--connectors", default=",".join(CONNECTORS))
+    ap.add_argument("--malloc-hugetlb", type=int, choices=(0, 1), default=1,
+                    help="GLIBC_TUNABLES=glibc.malloc.hugetlb=1 in the actors, as configs/ deploy "
+                         "the pools (big receive buffers fault in huge pages); 0: glibc's default")
     ap.add_argument("--object-store-gib", type=float, default=2.0,
                     help="object store size; its memory is touched up front (preallocated) so "
                          "puts do not pay first-touch page faults, as on a long-running server")
     args = ap.parse_args(argv)
     token_sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+    if args.malloc_hugetlb:  # read by glibc when each actor's process starts (not by this one)
+        os.environ["GLIBC_TUNABLES"] = "glibc.malloc.hugetlb=1"
+    else:
+        os.environ.pop("GLIBC_TUNABLES", None)
     names = [c.strip() for c in args.connectors.split(",") if c.strip()]
     for name in names:
         if name not in CONNECTORS:
@@ -131,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
         "bench": "kvtransfer",
         "machine": {"arch": platform.machine(), "cpus": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version(),
-                    # allocation knobs that change fresh-buffer page-fault costs (see the analysis)
+                    # allocation knobs that change fresh-buffer page-fault costs (the actors')
                     "env": {k: os.environ[k] for k in ("THP_MEM_ALLOC_ENABLE", "GLIBC_TUNABLES")
                             if os.environ.get(k)}},
         "torch": torch.__version__, "ray": ray.__version__,

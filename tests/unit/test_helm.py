@@ -125,8 +125,8 @@ def test_defaults_deploy_the_app_of_configs_serve_yaml():
     # Helm drops null values when it merges, so `model: null` arrives as no `model` (the same default)
     assert app["args"] == {k: v for k, v in expected["args"].items() if v is not None}
     assert app["deployments"] == expected["deployments"]
-    assert {k: app[k] for k in ("name", "route_prefix", "import_path")} == \
-           {k: expected[k] for k in ("name", "route_prefix", "import_path")}
+    assert {k: app[k] for k in ("name", "route_prefix", "import_path", "runtime_env")} == \
+           {k: expected[k] for k in ("name", "route_prefix", "import_path", "runtime_env")}
     assert ours["http_options"] == {"host": "0.0.0.0", "port": 8000}
     assert "grpc_options" not in ours  # gRPC is opt-in, as in configs/
 

@@ -83,6 +83,10 @@ applications:
   - name: tandem
     route_prefix: /
     import_path: cluster.router.app:build_app
+    {{- with .Values.runtimeEnv }}
+    runtime_env:
+      {{- toYaml . | nindent 6 }}
+    {{- end }}
     args:
       {{- toYaml .Values.args | nindent 6 }}
     deployments:
