@@ -70,6 +70,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kv_peer import Peer, kv_layout, median_ms, one_connector, one_gloo, one_zmq  # noqa: E402
+from local_cluster import stdout_for_json_only  # noqa: E402
 
 TARGETS = {"tcp_vs_raw_zmq_min": 0.7, "shared_store_vs_memcpy_min": 0.5}
 CONNECTORS = ("shared_store", "tcp", "collective")
@@ -266,4 +267,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main()))
+    with stdout_for_json_only():
+        report = main()
+    print(json.dumps(report))

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -33,6 +35,21 @@ def wait_running(app_name: str, timeout_s: float) -> None:
             raise RuntimeError(f"{app_name} failed to deploy: {app.message}")
         time.sleep(1)
     raise TimeoutError(f"{app_name} not RUNNING after {timeout_s:.0f} s")
+
+
+@contextlib.contextmanager
+def stdout_for_json_only() -> Iterator[None]:
+    """Inside: whatever reaches this process's stdout (Ray's own lines, such as a '(raylet) ...
+    graceful_shutdown failed' at teardown) goes to stderr, so stdout carries the JSON alone."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 @contextlib.contextmanager

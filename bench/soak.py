@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import aiohttp  # noqa: E402
 
 from cluster.loadgen import WORKLOADS, prompt_for  # noqa: E402
-from local_cluster import deployed, local_ray, replica_stats  # noqa: E402
+from local_cluster import deployed, local_ray, replica_stats, stdout_for_json_only  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--cpus", type=int, default=2)
     args = p.parse_args(argv)
-    with local_ray(args.cpus) as url, deployed(args.config):
+    with stdout_for_json_only(), local_ray(args.cpus) as url, deployed(args.config):
         asyncio.run(drive(url, 20, 4))  # warm-up, not counted
         time.sleep(6)  # the stats board's staleness window: only live replicas from here on
         start = snapshot(url)
