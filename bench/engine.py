@@ -1,6 +1,10 @@
 """Engine throughput on the default model: Tandem vs HF transformers `generate`, one JSON line.
 
     python bench/engine.py [--threads 1] [--new-tokens 64] [--repeats 3] [--skip-hf]
+                           [--malloc-hugetlb 1]
+
+Both engines run with GLIBC_TUNABLES=glibc.malloc.hugetlb=1, as configs/ deploy the pools (the
+script runs itself again with it: glibc reads it at start); --malloc-hugetlb 0 for glibc's default.
 
 Figures (median of --repeats):
   prefill_tok_s          prompt tokens / time to first token, one ~100-token prompt
@@ -12,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
+import sys
 import time
 
 import torch
@@ -111,7 +117,12 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--malloc-hugetlb", type=int, choices=(0, 1), default=1)
     args = parser.parse_args()
+    want = "glibc.malloc.hugetlb=1" if args.malloc_hugetlb else None
+    if os.environ.get("GLIBC_TUNABLES") != want:
+        env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"} | ({"GLIBC_TUNABLES": want} if want else {})
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
     torch.set_num_threads(args.threads)
 
     from cluster.models.default_model import ensure_default_model
@@ -123,6 +134,7 @@ def main() -> None:
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "torch": torch.__version__,
         "threads": args.threads,
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
         "prompt_tokens": args.prompt_tokens,
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
