@@ -32,7 +32,8 @@ def kv_layout():
 def _make_connector(name: str, layout) -> Any:
     from cluster.kvtransfer.base import create_connector
 
-    options = {"backend": "gloo"} if name == "collective" else {}
+    # shared_store: prefaulted, as the bench preallocates the store (see bench/kvtransfer.py)
+    options = {"backend": "gloo"} if name == "collective" else {"prefault": True} if name == "shared_store" else {}
     return create_connector(name, layout, timeout_s=TIMEOUT_S, **options)
 
 

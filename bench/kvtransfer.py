@@ -10,7 +10,9 @@ random data, generated inside the sending actor (nothing big crosses the driver)
 Processes: sender and receiver are two Ray actors (threaded, max_concurrency=4, torch threads
 1, `kv_control` forwarding to the collective connector's `on_control`) on a local
 `ray.init(num_cpus=2)` with a 2 GiB object store preallocated (RAY_preallocate_plasma_memory=1).
-Each actor hosts one connector of every kind at once.
+Each actor hosts one connector of every kind at once; the shared_store one with
+`prefault=True` (its page tables for the whole store populated at start: the store is
+preallocated, as `kv_transfer.prefault_object_store` expects).
 
 Timing (cross-process, same host): both actors stamp `time.time()` (one system clock for all
 processes on a host, microsecond resolution). The sender stamps just before

@@ -131,6 +131,8 @@ class KVTransferConfig:
       where the collective connector's gloo binds);
     advertise_host/advertise_port: the address senders dial, when it differs from where the
     listener binds (host 0.0.0.0; a port forwarded through NAT, a Kubernetes Service or a relay).
+    prefault_object_store: shared_store only: each replica populates its page tables for the
+      whole object store at start (for a store preallocated at `ray start`; see shared_store.py).
     """
 
     connector: str = "shared_store"
@@ -142,6 +144,7 @@ class KVTransferConfig:
     port: int = 0
     advertise_host: str | None = None
     advertise_port: int | None = None
+    prefault_object_store: bool = False
 
     def __post_init__(self) -> None:
         if self.connector not in KV_CONNECTORS:
@@ -153,6 +156,11 @@ class KVTransferConfig:
             raise ValueError("timeout_s and lease_s must be positive")
         if self.max_payload_bytes < 1:
             raise ValueError("max_payload_bytes must be positive")
+        if not isinstance(self.prefault_object_store, bool):
+            raise ValueError(f"prefault_object_store must be true or false, got {self.prefault_object_store!r}")
+        if self.prefault_object_store and self.connector != "shared_store":
+            raise ValueError("prefault_object_store applies to the shared_store connector only, "
+                             f"not {self.connector!r}")
 
     def connector_options(self, role: str = "decode") -> dict[str, Any]:
         """Keyword arguments for `create_connector(self.connector, layout, **options)`;
@@ -170,7 +178,7 @@ class KVTransferConfig:
                     "advertise_port": self.advertise_port}
         if self.connector == "collective":
             return {**common, "host": host}
-        return common
+        return {**common, "prefault": self.prefault_object_store}
 
 
 MODES = ("disaggregated", "colocated")

@@ -205,3 +205,49 @@ def test_failure_policy_fail_ends_the_request_with_the_typed_error(connector, ra
     finally:
         for a in (p, d):
             ray.kill(a)
+
+
+def _rss_kib(start: int) -> int:
+    """Resident KiB of this process's mapping that begins at `start` (/proc/self/smaps)."""
+    lines = open("/proc/self/smaps").read().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith(f"{start:x}-"))
+    return next(int(line.split()[1]) for line in lines[at + 1:] if line.startswith("Rss:"))
+
+
+def test_prefault_makes_a_store_mapping_resident_without_changing_it(tmp_path):
+    """`prefault_object_store`'s two halves on a plasma-named shared file: the mapping is found
+    by name, and after `populate` all of it is resident in this process (no fault per page
+    later), with its bytes as they were."""
+    import mmap
+    import os
+    import uuid
+
+    from cluster.kvtransfer.shared_store import object_store_mappings, populate
+
+    path = f"/dev/shm/plasma-tandem-test-{uuid.uuid4().hex[:8]}"
+    size = 8 << 20
+    with open(path, "w+b") as f:
+        f.truncate(size)
+        m = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED)
+    os.unlink(path)  # Ray's store file is unlinked too: "(deleted)" in /proc/self/maps
+    try:
+        m[size - 5:] = b"tail!"
+        ours = [r for r in object_store_mappings() if r[1] - r[0] == size]
+        assert len(ours) == 1
+        assert _rss_kib(ours[0][0]) < size // 1024
+        assert populate(ours) == size
+        assert _rss_kib(ours[0][0]) == size // 1024
+        assert m[size - 5:] == b"tail!" and m[:4] == b"\0\0\0\0"
+    finally:
+        m.close()
+
+
+def test_rays_object_store_mapping_is_found(ray_local):
+    """The mapping `prefault_object_store` populates is Ray's store as this process sees it."""
+    import numpy as np
+
+    from cluster.kvtransfer.shared_store import object_store_mappings
+
+    ray_local.get(ray_local.put(np.zeros(1 << 20, dtype=np.uint8)))  # not inlined: in the store
+    total = sum(end - start for start, end in object_store_mappings())
+    assert total >= ray_local.available_resources()["object_store_memory"] * 0.5

@@ -57,6 +57,14 @@ def test_bad_values_are_refused():
     config["applications"][0]["args"]["kv_transfer"]["connector"] = "carrier-pigeon"
     with pytest.raises(ConfigError, match="carrier-pigeon"):
         validate_serve_config(config)
+    tcp = load("serve-tcp.yaml")
+    tcp["applications"][0]["args"]["kv_transfer"]["prefault_object_store"] = True
+    with pytest.raises(ConfigError, match="prefault_object_store applies to the shared_store connector only"):
+        validate_serve_config(tcp)
+    store = load("serve.yaml")
+    store["applications"][0]["args"]["kv_transfer"]["prefault_object_store"] = "yes"
+    with pytest.raises(ConfigError, match="prefault_object_store must be true or false"):
+        validate_serve_config(store)
     colocated = load("colocated.yaml")
     colocated["applications"][0]["deployments"].append({"name": "PrefillPool", "num_replicas": 1})
     with pytest.raises(ConfigError, match="PrefillPool"):
