@@ -19,6 +19,7 @@ prefaulted here, a 188 MB one 35 ms and 11 ms. Meant for a store preallocated at
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 from typing import Any
 
@@ -44,6 +45,10 @@ class SharedStoreConnector(KVConnector):
             raise KVTransferError("the shared_store connector needs a running Ray (ray.init)")
         self._ray = ray
         self.prefaulted_bytes = prefault_object_store() if prefault else 0
+        if prefault and not self.prefaulted_bytes:
+            logging.getLogger(__name__).warning(
+                "prefault_object_store: nothing populated (no plasma mapping found, or the kernel "
+                "refused MADV_POPULATE_WRITE: it needs Linux >= 5.14); transfers take page faults")
 
     def _receiver_address(self) -> dict[str, Any]:
         return {}
@@ -77,11 +82,11 @@ class SharedStoreConnector(KVConnector):
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14: populate page tables (writable) without touching data
 
 
-def object_store_mappings(maps_path: str = "/proc/self/maps") -> list[tuple[int, int]]:
+def object_store_mappings() -> list[tuple[int, int]]:
     """(start, end) of each shared mapping of a Ray object store file (plasma*) in this process."""
     found = []
     try:
-        with open(maps_path) as f:
+        with open("/proc/self/maps") as f:
             for line in f:
                 fields = line.split()
                 if len(fields) >= 6 and fields[1][3:4] == "s" and os.path.basename(fields[5]).startswith("plasma"):
@@ -105,5 +110,5 @@ def prefault_object_store() -> int:
     populate its page tables; returns the bytes populated."""
     import ray
 
-    ray.get(ray.put(np.zeros(1 << 20, dtype=np.uint8)))
+    ray.get(ray.put(np.zeros(1 << 20, dtype=np.uint8)))  # > Ray's inline limit: lands in the store
     return populate(object_store_mappings())
