@@ -3,6 +3,7 @@ holds a handle to the prefill pool and asks it for each request's prompt KV."""
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 from typing import Any, AsyncIterator, Sequence
 
@@ -20,14 +21,21 @@ class ServePrefillClient:
     """`PrefillClient` over the prefill pool's handle; acks are pinned to the replica that holds R."""
 
     def __init__(self, handle: DeploymentHandle) -> None:
-        self.handle = handle
+        # By reference, always: a shared_store receipt holds an ObjectRef, and Serve's by-value
+        # (gRPC) transport, the default under RAY_SERVE_THROUGHPUT_OPTIMIZED=1, would pickle it
+        # out of band, which pins the prompt's KV in the object store for the replica's life.
+        self.handle = handle.options(_by_reference=True)
 
     async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                       receiver: dict[str, Any]) -> PrefillHandoff:
         from ray import exceptions as rex
 
+        response = self.handle.prefill.remote(request_id, list(prompt_token_ids), params, receiver)
         try:
-            return await self.handle.prefill.remote(request_id, list(prompt_token_ids), params, receiver)
+            return await response
+        except asyncio.CancelledError:  # R was aborted here: stop the prefill too (Ray's recursive
+            response.cancel()           # cancel reaches it only when our own call was a Ray task)
+            raise
         except (rex.RayActorError, rex.ActorUnavailableError) as exc:  # died before answering: try another
             raise PrefillReplicaLost(f"the prefill replica was lost: {type(exc).__name__}") from None
 

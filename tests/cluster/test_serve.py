@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import concurrent.futures
+import re
 
 import pytest
 
-from serving import args_of, client, deploy, replica_stats
+from serving import (APP, apply_config, args_of, client, deploy, load_config, replica_stats, running_replicas,
+                     wait_for)
 
 pytestmark = pytest.mark.slow
 
@@ -213,3 +215,36 @@ def test_greedy_identical_colocated_and_every_connector(serve_url):
         assert outputs[name] == outputs["colocated.yaml"], name
         assert landed[name] == len(PROMPTS), name  # each prompt's KV crossed this connector
     assert "Paris" in outputs["colocated.yaml"][0]
+
+
+def plasma_in_use() -> tuple[int, int]:
+    """(MiB, objects) in the local Ray object store, as `ray memory --stats-only` reports them."""
+    from ray._private.internal_api import memory_summary
+
+    found = re.search(r"Plasma memory usage (\d+) MiB, (\d+) objects", memory_summary(stats_only=True))
+    assert found, "no plasma line in Ray's memory summary"
+    return int(found[1]), int(found[2])
+
+
+def test_shared_store_hand_offs_leave_nothing_in_the_object_store(serve_url):
+    """configs/serve.yaml with Serve's by-value (gRPC) transport as every handle's default, as
+    Ray's high-throughput mode (RAY_SERVE_THROUGHPUT_OPTIMIZED=1) sets it: a receipt's ObjectRef
+    pickled by value would pin that prompt's KV (~46 KB a token) in the store for the prefill
+    replica's life. After the requests, the store holds none of it."""
+    from ray import serve
+
+    config = load_config("serve.yaml")
+    config["applications"][0]["runtime_env"]["env_vars"]["RAY_SERVE_USE_GRPC_BY_DEFAULT"] = "1"
+    serve.delete(APP)
+    apply_config(config)
+    wait_for(lambda: running_replicas() == {"Router": 1, "PrefillPool": 1, "DecodePool": 1}, 240, "the app")
+    c = client(serve_url)
+    model = c.models.list().data[0].id
+    before = plasma_in_use()
+    for i in range(6):  # ~200-token prompts: ~9 MB of KV each
+        text = f"Note {i}: " + " ".join(f"box{j} holds {j * i % 11} apples" for j in range(40))
+        c.chat.completions.create(model=model, messages=[{"role": "user", "content": text}], max_tokens=2)
+    decode = next(s for s in replica_stats(serve_url) if s["pool"] == "decode")
+    assert decode["kv_landed"] >= 6  # each KV crossed the object store
+    after = plasma_in_use()
+    assert after[0] - before[0] < 5 and after[1] - before[1] < 3, (before, after)
