@@ -33,7 +33,7 @@ def _make_connector(name: str, layout) -> Any:
     from cluster.kvtransfer.base import create_connector
 
     # shared_store: prefaulted, as the bench preallocates the store (see bench/kvtransfer.py)
-    options = {"backend": "gloo"} if name == "collective" else {"prefault": True} if name == "shared_store" else {}
+    options = {"collective": {"backend": "gloo"}, "shared_store": {"prefault": True}}.get(name, {})
     return create_connector(name, layout, timeout_s=TIMEOUT_S, **options)
 
 
