@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's limit)
+MAX_ABS_LOGIT_BIAS = 100.0
 
 
 @dataclass(frozen=True)
@@ -17,7 +19,9 @@ class SamplingParams:
     temperature == 0 means greedy. `seed` makes a request's random sampling reproducible
     regardless of what else is in the batch. `logprobs=k` returns the sampled token's
     logprob plus the top-k alternatives (k may be 0). Stop strings are matched across
-    token boundaries and are not included in the output text.
+    token boundaries and are not included in the output text. `logit_bias` adds a bias in
+    [-100, 100] to the logits of the token ids it names before sampling (-100 bans a token in
+    practice, 100 all but forces it), as OpenAI's `logit_bias`.
     """
 
     n: int = 1
@@ -36,6 +40,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids unique
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -43,6 +48,9 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
+        object.__setattr__(self, "logit_bias", tuple((t, b) for t, b in self.logit_bias or ()))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self._validate()
@@ -88,6 +96,16 @@ class SamplingParams:
             raise bad("stop_token_ids must be non-negative token ids")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise bad(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+        for token, bias in self.logit_bias:
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise bad(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+            if (not isinstance(bias, (int, float)) or isinstance(bias, bool) or not math.isfinite(bias)
+                    or abs(bias) > MAX_ABS_LOGIT_BIAS):
+                raise bad(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {token}")
+        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            raise bad("logit_bias names a token id more than once")
 
     @property
     def greedy(self) -> bool:

@@ -1,4 +1,4 @@
-"""Logits → next tokens: min_tokens, penalties, temperature, top-k/top-p/min-p, seeded sampling."""
+"""Logits → next tokens: min_tokens, logit bias, penalties, temperature, top-k/top-p/min-p, seeded sampling."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     """Pick one token per row of `logits` [B, V] (float32; left unmodified).
 
     Order, as in vLLM v1: logprobs from the raw logits; min_tokens masks EOS and stop_token_ids;
-    repetition (prompt + output), frequency and presence (output) penalties; then greedy argmax
+    logit_bias is added; repetition (prompt + output), frequency and presence (output) penalties; then greedy argmax
     (temperature 0) or temperature → top-k → top-p → min-p → sampling. A row's random draw
     comes from its own generator (None: torch's default), so a seeded row's token depends only
     on its logits and its generator state, never on the other rows.
@@ -36,14 +36,17 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     num_rows, vocab = logits.shape
     logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     blocked = _min_tokens_blocks(params, output_ids, eos_token_ids, vocab)
+    biased = _logit_bias(params, vocab)
     penalty_rows = [i for i, p in enumerate(params) if p.needs_penalties]
-    if not (logprob_rows or blocked[0] or penalty_rows) and all(p.greedy for p in params):
+    if not (logprob_rows or blocked[0] or biased[0] or penalty_rows) and all(p.greedy for p in params):
         return SampleResult(logits.argmax(dim=-1).tolist(), [None] * num_rows)
 
     raw_logprobs = torch.log_softmax(logits[_index(logprob_rows, logits)], dim=-1) if logprob_rows else None
     logits = logits.clone()
     if blocked[0]:
         logits[_index(blocked[0], logits), _index(blocked[1], logits)] = _NEG_INF
+    if biased[0]:  # (row, token) pairs are unique: a plain indexed add
+        logits[_index(biased[0], logits), _index(biased[1], logits)] += torch.tensor(biased[2], dtype=logits.dtype)
     if penalty_rows:
         _apply_penalties(logits, penalty_rows, params, prompt_ids, output_ids)
     tokens = _choose(logits, params, generators)
@@ -71,6 +74,20 @@ def _min_tokens_blocks(params: Sequence[SamplingParams], output_ids: Sequence[Se
             rows.extend([i] * len(banned))
             cols.extend(banned)
     return rows, cols
+
+
+def _logit_bias(params: Sequence[SamplingParams], vocab: int) -> tuple[list[int], list[int], list[float]]:
+    """(rows, token ids, biases) of every row's logit_bias inside the vocabulary."""
+    rows: list[int] = []
+    cols: list[int] = []
+    biases: list[float] = []
+    for i, p in enumerate(params):
+        for token, bias in p.logit_bias:
+            if 0 <= token < vocab:
+                rows.append(i)
+                cols.append(token)
+                biases.append(float(bias))
+    return rows, cols, biases
 
 
 def _token_counts(seqs: list[Sequence[int]], like: torch.Tensor) -> torch.Tensor:

@@ -187,3 +187,34 @@ def test_out_of_vocab_stop_token_ids_are_ignored():
     logits = torch.tensor([[0.0, 1.0, 5.0, 9.0]])
     params = [SamplingParams(temperature=0, min_tokens=1, stop_token_ids=(50_000,))]
     assert run(logits, params).token_ids == [2]
+
+
+def test_logit_bias_bans_and_forces_tokens_in_its_own_row_only():
+    logits = torch.tensor([[0.0, 1.0, 5.0, 2.0, 3.0]] * 3)
+    params = [SamplingParams(temperature=0, logit_bias={2: -100}),      # the argmax, banned
+              SamplingParams(temperature=0, logit_bias={0: 100, 50_000: 5}),  # forced; out of vocab ignored
+              SamplingParams(temperature=0, logprobs=1)]
+    result = run(logits, params)
+    assert result.token_ids == [4, 0, 2]
+    raw = torch.log_softmax(logits[2], dim=-1)  # logprobs stay those of the raw logits
+    assert result.logprobs[2][0] == Logprob(2, pytest.approx(raw[2].item()))
+
+
+def test_logit_bias_shifts_sampling_frequencies_like_added_logits():
+    logits = torch.tensor([1.0, 0.5, 0.0, -0.5])
+    bias = {1: 1.5, 3: -2.0}
+    got = torch.bincount(draws(logits, SamplingParams(temperature=1.0, logit_bias=bias), n=20000), minlength=4)
+    want = torch.softmax(logits + torch.tensor([0.0, 1.5, 0.0, -2.0]), dim=-1)
+    assert (got / got.sum() - want).abs().max() < 0.015
+
+
+@pytest.mark.parametrize("bias, message", [
+    ({1: 100.5}, "values must be numbers in [-100, 100]"),
+    ({1: float("nan")}, "values must be numbers in [-100, 100]"),
+    ({-1: 1.0}, "keys must be token ids"),
+    ({i: 1.0 for i in range(301)}, "at most 300 tokens"),
+    (((4, 1.0), (4, 2.0)), "more than once"),
+])
+def test_logit_bias_is_validated(bias, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        SamplingParams(logit_bias=bias)
