@@ -56,6 +56,8 @@ def request_body(req: pb.GenerateRequest) -> tuple[str, dict[str, Any]]:
         body["stop"] = list(req.stop)
     if req.stop_token_ids:
         body["stop_token_ids"] = list(req.stop_token_ids)
+    if req.logit_bias:
+        body["logit_bias"] = {str(token): bias for token, bias in req.logit_bias.items()}
     if which == "chat":
         body["messages"] = [{"role": m.role, "content": m.content} for m in req.chat.messages]
         if req.HasField("logprobs"):
@@ -99,7 +101,7 @@ async def generate(server: OpenAIServer, req: pb.GenerateRequest, timeout_s: flo
             yield out
     finally:
         await samples.aclose()
-    prompt = len(prepared.prompt_ids)
+    prompt = prepared.prompt_tokens
     yield pb.GenerateResponse(id=prepared.request_id, usage=pb.Usage(
         prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion))
 

@@ -4,7 +4,8 @@ function (the decode pool, or an in-process decode server in tests), and shape r
     chat(body) / completions(body)
       → request schema (400 on anything invalid, 404 on an unknown model)
       → prompt token ids (chat template for chat), limits checked against max_model_len
-      → n child requests "<id>-<j>" with seed + j, run concurrently
+      → n child requests "<id>-<j>" with seed + j, run concurrently (a completions batch of
+        P prompts: P x n children, choice i*n + j is prompt i's sample j, as OpenAI orders them)
       → one response, or an SSE stream: role chunk, content chunks (several tokens per chunk
         when the client is behind), a finish chunk per choice, usage when asked, [DONE]
 """
@@ -38,15 +39,24 @@ class _Choice:
 
 
 @dataclasses.dataclass(frozen=True)
+class Child:
+    """One choice of a request: its own id, its prompt, and its params (seed + j)."""
+
+    request_id: str  # "<id>-<choice index>"
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
 class Prepared:
-    """A validated request: its prompt, sampling parameters, id, and the n children to run."""
+    """A validated request: its sampling parameters, id, and the children to run, one per choice."""
 
     kind: str  # "chat" | "text"
     request: Any  # ChatCompletionRequest | CompletionRequest
-    prompt_ids: list[int]
     params: SamplingParams
     request_id: str
-    children: list[tuple[str, SamplingParams]]  # ("<id>-<j>", params with seed + j)
+    children: list[Child]  # in choice order
+    prompt_tokens: int  # usage: every prompt's tokens, once each (n samples share their prompt)
 
 
 class SSEStream:
@@ -105,36 +115,38 @@ class OpenAIServer:
             req = _parse(ChatCompletionRequest, body)
             self._check_model(req.model)
             req.check_stream_options()
+            req.check_supported()
             messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                         for m in req.messages]
             try:
-                prompt_ids = self.tokenizer.encode_chat(messages)
+                prompts = [self.tokenizer.encode_chat(messages)]
             except Exception as exc:  # a template that rejects this conversation
                 raise APIError(400, f"cannot apply the chat template: {type(exc).__name__}") from None
         else:
             req = _parse(CompletionRequest, body)
             self._check_model(req.model)
             req.check_stream_options()
-            if isinstance(req.prompt, str):
-                prompt_ids = self.tokenizer.encode(req.prompt)
-            else:
-                prompt_ids = list(req.prompt)
-                if any(t < 0 or t >= self.tokenizer.vocab_size for t in prompt_ids):
-                    raise APIError(400, f"prompt token ids must be in [0, {self.tokenizer.vocab_size})",
-                                   param="prompt")
-            if req.echo:
-                raise APIError(400, "echo is not supported", param="echo")
-        max_tokens = self._limits(prompt_ids, req.requested_max_tokens())
-        params = req.sampling_params(max_tokens, req.requested_logprobs())
+            req.check_supported()
+            prompts = [self._completion_prompt(p) for p in req.prompts()]
+        limits = [self._limits(ids, req.requested_max_tokens()) for ids in prompts]  # each its own room
+        bias = req.logit_bias_ids(self.tokenizer.vocab_size)
+        per_prompt = [req.sampling_params(limit, req.requested_logprobs(), bias) for limit in limits]
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        children = [(f"{rid}-{j}", dataclasses.replace(params, seed=_child_seed(params.seed, j)))
-                    for j in range(req.n)]
-        return Prepared(kind, req, prompt_ids, params, rid, children)
+        children = [Child(f"{rid}-{i * req.n + j}", ids, dataclasses.replace(ps, seed=_child_seed(ps.seed, j)))
+                    for i, (ids, ps) in enumerate(zip(prompts, per_prompt)) for j in range(req.n)]
+        return Prepared(kind, req, per_prompt[0], rid, children, sum(len(ids) for ids in prompts))
+
+    def _completion_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if any(t < 0 or t >= self.tokenizer.vocab_size for t in prompt):
+            raise APIError(400, f"prompt token ids must be in [0, {self.tokenizer.vocab_size})", param="prompt")
+        return list(prompt)
 
     def samples(self, p: Prepared) -> AsyncIterator[tuple[int, TokenDelta]]:
-        """The n samples of a prepared request, running concurrently, as (choice, delta);
+        """The choices of a prepared request, running concurrently, as (choice, delta);
         closing it aborts them."""
-        return _merge([self.generate(cid, p.prompt_ids, params) for cid, params in p.children])
+        return _merge([self.generate(c.request_id, c.prompt_ids, c.params) for c in p.children])
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.hf.decode([token_id])
@@ -163,9 +175,9 @@ class OpenAIServer:
         req, params = p.request, p.params
         created = int(self.clock())
         if not req.stream:
-            choices = await within(asyncio.gather(*(self._collect(cid, p.prompt_ids, c) for cid, c in p.children)),
-                                   deadline)
-            return self._response(p.kind, p.request_id, created, choices, len(p.prompt_ids),
+            choices = await within(asyncio.gather(*(self._collect(c.request_id, c.prompt_ids, c.params)
+                                                    for c in p.children)), deadline)
+            return self._response(p.kind, p.request_id, created, choices, p.prompt_tokens,
                                   params.logprobs is not None)
         merged = self.samples(p)
         try:
@@ -174,8 +186,8 @@ class OpenAIServer:
             await merged.aclose()
             raise
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        lines = self._stream(p.kind, p.request_id, created, req.n, len(p.prompt_ids), first, merged, include_usage,
-                             params.logprobs is not None, deadline)
+        lines = self._stream(p.kind, p.request_id, created, len(p.children), p.prompt_tokens, first, merged,
+                             include_usage, params.logprobs is not None, deadline)
         return SSEStream(lines, merged)
 
     async def _collect(self, cid: str, prompt_ids: list[int], params: SamplingParams) -> _Choice:

@@ -1,18 +1,21 @@
 """OpenAI request schemas (what clients may send) and their mapping to `SamplingParams`.
 
 Unknown fields are ignored, as OpenAI and vLLM do; fields that only Tandem's internals
-set (KV-transfer parameters and the like) are therefore never read from a client.
+set (KV-transfer parameters and the like) are therefore never read from a client. Known
+OpenAI features this server does not implement (structured output, tool calls, `suffix`,
+`best_of`, `echo`) are refused with a 400 naming them, never silently dropped.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
 from cluster.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 16
+MAX_CHOICES = 64  # prompts x n in one /v1/completions request
 
 
 class APIError(Exception):
@@ -67,6 +70,14 @@ class ChatMessage(_Strict):
 
     _clean = field_validator("content")(clean_text)
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v: Any) -> Any:
+        for part in v if isinstance(v, list) else ():
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise ValueError("only parts of type 'text' are supported: this model reads text only")
+        return v
+
     def text(self) -> str:
         if self.content is None:
             return ""
@@ -99,6 +110,7 @@ class _Sampling(_Strict):
     stop_token_ids: list[StrictInt] | None = None
     skip_special_tokens: StrictBool = True
     user: str | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]] | None = None
 
     @field_validator("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty")
@@ -107,6 +119,21 @@ class _Sampling(_Strict):
         if v is not None and v != v:
             raise ValueError("must be a finite number")
         return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key in v or {}:
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError("keys must be token ids (non-negative integers, as strings)")
+        return v
+
+    def logit_bias_ids(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
+        """`logit_bias` as (token id, bias) pairs, every id inside the vocabulary."""
+        pairs = tuple((int(k), b) for k, b in (self.logit_bias or {}).items())
+        if any(t >= vocab_size for t, _ in pairs):
+            raise APIError(400, f"logit_bias token ids must be in [0, {vocab_size})", param="logit_bias")
+        return pairs
 
     @field_validator("stop")
     @classmethod
@@ -119,7 +146,8 @@ class _Sampling(_Strict):
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        logit_bias: tuple[tuple[int, float], ...] = ()) -> SamplingParams:
         try:
             return SamplingParams(
                 n=1,
@@ -138,9 +166,10 @@ class _Sampling(_Strict):
                 stop_token_ids=tuple(self.stop_token_ids or ()),
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
+                logit_bias=logit_bias,
             )
         except ValueError as exc:
-            raise APIError(400, str(exc)) from None
+            raise APIError(400, str(exc), param="logit_bias" if "logit_bias" in str(exc) else None) from None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -148,6 +177,18 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+
+    def check_supported(self) -> None:
+        if (self.response_format or {}).get("type", "text") != "text":
+            raise APIError(400, "response_format other than {\"type\": \"text\"} is not supported: this server "
+                                "has no structured output; ask for JSON in the prompt instead", param="response_format")
+        if (self.tools and self.tool_choice != "none") or self.functions:
+            raise APIError(400, "tool calling is not supported by this server: send no `tools` "
+                                "(or tool_choice \"none\")", param="tools" if self.tools else "functions")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -159,11 +200,44 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[StrictInt]]
+    prompt: Union[str, list[StrictInt], list[str], list[list[StrictInt]]]
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool = False
+    suffix: str | None = None
+    best_of: StrictInt | None = None
 
-    _clean = field_validator("prompt")(clean_text)
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v: Any) -> Any:
+        """A string, a list of token ids, or a batch: a list of either (not mixed)."""
+        def ids(x: Any) -> bool:
+            return isinstance(x, list) and bool(x) and all(type(t) is int for t in x)
+
+        if isinstance(v, str) or ids(v):
+            return clean_text(v)
+        if isinstance(v, list) and v and (all(isinstance(x, str) for x in v) or all(ids(x) for x in v)):
+            for x in v:
+                clean_text(x)
+            return v
+        raise ValueError("must be a string, a non-empty list of token ids, or a batch: a non-empty "
+                         "list of strings or of token id lists")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or each of a batch."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
+
+    def check_supported(self) -> None:
+        if self.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported (no fill-in-the-middle)", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(400, "best_of is not supported: ask for n samples instead", param="best_of")
+        if len(self.prompts()) * self.n > MAX_CHOICES:
+            raise APIError(400, f"{len(self.prompts())} prompts x n={self.n} exceeds {MAX_CHOICES} choices "
+                                "per request", param="prompt")
 
     def requested_max_tokens(self) -> int | None:
         return 16 if self.max_tokens is None else self.max_tokens  # OpenAI's completions default

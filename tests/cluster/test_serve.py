@@ -56,6 +56,21 @@ def test_disaggregated_app_end_to_end(serve_url):
     comp = c.completions.create(model=model, prompt="The capital of France is", temperature=0, max_tokens=4)
     assert comp.choices[0].text and comp.usage.completion_tokens == 4
 
+    batch = c.completions.create(model=model, prompt=["The capital of France is", "The capital of Italy is"],
+                                 temperature=0, max_tokens=4)
+    assert [ch.index for ch in batch.choices] == [0, 1]
+    assert batch.choices[0].text == comp.choices[0].text and "Paris" in batch.choices[0].text
+    assert "Rome" in batch.choices[1].text and batch.usage.completion_tokens == 8
+
+    from cluster.engine.tokenizer import Tokenizer
+    from cluster.models.default_model import default_model_path
+
+    paris = Tokenizer(str(default_model_path())).encode(" Paris")
+    assert len(paris) == 1
+    banned = c.completions.create(model=model, prompt="The capital of France is", temperature=0, max_tokens=4,
+                                  logit_bias={str(paris[0]): -100})
+    assert banned.choices[0].text and not banned.choices[0].text.startswith(" Paris")
+
     import openai
 
     with pytest.raises(openai.NotFoundError):

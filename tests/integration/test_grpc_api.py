@@ -121,7 +121,29 @@ def test_completion_prompts_text_and_token_ids(stack):
     assert by_ids[-1].usage.prompt_tokens == len(ids)
 
 
+def test_logit_bias_over_grpc_is_the_http_one(stack):
+    server = stack["disagg"]
+    free = server.tokenizer.encode("The shelves hold")
+
+    async def go():
+        plain = await collect(server, pb.GenerateRequest(model=MODEL, text="The shelves hold", temperature=0,
+                                                         max_tokens=4))
+        banned = choices(plain)[0]["ids"][0]
+        forced = 1000 if banned != 1000 else 1001
+        bias = {banned: -100.0, forced: 100.0}
+        over_grpc = await collect(server, pb.GenerateRequest(model=MODEL, token_ids=pb.TokenIds(ids=free),
+                                                             temperature=0, max_tokens=4, logit_bias=bias))
+        over_http = await server.completions({"model": MODEL, "prompt": free, "temperature": 0, "max_tokens": 4,
+                                              "logit_bias": {str(t): b for t, b in bias.items()}})
+        return forced, over_grpc, over_http
+
+    forced, over_grpc, over_http = run(go())
+    assert choices(over_grpc)[0]["ids"] == [forced] * 4
+    assert choices(over_grpc)[0]["text"] == over_http["choices"][0]["text"]
+
+
 @pytest.mark.parametrize("req, body, kind, code", [
+    (chat_request(logit_bias={-1: 1.0}), chat_body(logit_bias={"-1": 1.0}), "chat", grpc.StatusCode.INVALID_ARGUMENT),
     (chat_request(temperature=3.0), chat_body(temperature=3.0), "chat", grpc.StatusCode.INVALID_ARGUMENT),
     (chat_request(temperature=float("nan")), chat_body(temperature=float("nan")), "chat",
      grpc.StatusCode.INVALID_ARGUMENT),

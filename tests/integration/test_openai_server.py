@@ -149,3 +149,86 @@ def test_first_token_stays_first_when_the_event_loop_is_busy(stack):
     want = run(go("colocated", False))
     for _ in range(3):
         assert run(go("disagg", True)) == want
+
+
+def test_a_completions_batch_is_each_prompt_alone_in_choice_order(stack):
+    """prompt=[A, B] with n=2: choices 0-1 are A's samples, 2-3 B's, each what A or B alone
+    gives with the same seed; usage counts both prompts once. Streamed the same."""
+    prompts = ["Once upon a time", "The weather today"]
+    common = {"model": MODEL, "temperature": 1.0, "seed": 3, "n": 2, "max_tokens": 6}
+
+    async def go():
+        alone = [await stack["disagg"].completions({**common, "prompt": p}) for p in prompts]
+        batch = await stack["disagg"].completions({**common, "prompt": prompts})
+        chunks = await drain(await stack["disagg"].completions({**common, "prompt": prompts, "stream": True,
+                                                                "stream_options": {"include_usage": True}}))
+        return alone, batch, chunks, await stack["decode"].stats()
+
+    alone, batch, chunks, dstats = run(go())
+    assert [c["index"] for c in batch["choices"]] == [0, 1, 2, 3]
+    want = [c["text"] for a in alone for c in a["choices"]]
+    assert [c["text"] for c in batch["choices"]] == want
+    assert want[0] != want[1] and want[:2] != want[2:]
+    assert batch["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+    assert batch["usage"]["completion_tokens"] == 4 * 6
+    streamed = ["", "", "", ""]
+    finished = set()
+    for c in chunks[:-2]:
+        for ch in c["choices"]:
+            streamed[ch["index"]] += ch["text"]
+            if ch["finish_reason"]:
+                finished.add(ch["index"])
+    assert streamed == want and finished == {0, 1, 2, 3}
+    assert chunks[-2]["usage"] == batch["usage"]
+    assert dstats["blocks_in_use"] == 0 and dstats["num_running"] == 0
+
+
+def test_logit_bias_steers_the_first_token_in_both_pools(stack):
+    """The first token is sampled on the prefill side when disaggregated: the bias must reach
+    it there as well as every decode step."""
+    body = {"model": MODEL, "prompt": "Once upon", "temperature": 0, "max_tokens": 4, "logprobs": 0}
+
+    async def go(name: str, **extra) -> list[str]:
+        r = await stack[name].completions({**body, **extra})
+        return r["choices"][0]["logprobs"]["tokens"]
+
+    async def all_of():
+        free = await go("colocated")
+        first = stack["disagg"].tokenizer.encode(free[0])[-1]
+        forced = 1000 if first != 1000 else 1001
+        piece = stack["disagg"].token_text(forced)
+        out = {}
+        for name in ("colocated", "disagg"):
+            out[name] = (await go(name), await go(name, logit_bias={str(first): -100}),
+                         await go(name, logit_bias={str(forced): 100}))
+        return free, piece, out
+
+    free, piece, out = run(all_of())
+    for name, (unbiased, banned, forced) in out.items():
+        assert unbiased == free, name
+        assert banned[0] != free[0], name  # the greedy first token, banned
+        assert forced == [piece] * 4, name  # +100: that token every time
+
+
+@pytest.mark.parametrize("body,param", [
+    (chat(response_format={"type": "json_object"}), "response_format"),
+    (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    (chat(logit_bias={"5000000": 1}), "logit_bias"),
+    (chat(logit_bias={"1": 100.5}), "logit_bias.1"),
+    ({"model": MODEL, "prompt": "x", "suffix": "y"}, "suffix"),
+    ({"model": MODEL, "prompt": "x", "best_of": 2}, "best_of"),
+    ({"model": MODEL, "prompt": ["x", [1, 2]]}, "prompt"),
+    ({"model": MODEL, "prompt": ["x"] * 33, "n": 2}, "prompt"),
+])
+def test_features_this_server_lacks_are_refused_by_name(stack, body, param):
+    call = stack["disagg"].chat if "messages" in body else stack["disagg"].completions
+    with pytest.raises(APIError) as info:
+        run(call(body))
+    assert info.value.status == 400 and info.value.body()["error"]["param"] == param
+
+
+def test_tools_with_tool_choice_none_and_text_response_format_are_plain_requests(stack):
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    r = run(stack["disagg"].chat(chat(temperature=0, max_tokens=4, tools=tools, tool_choice="none",
+                                      response_format={"type": "text"})))
+    assert r["choices"][0]["finish_reason"] == "length"
