@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, NamedTuple
 
 from pydantic import ValidationError
 
@@ -38,11 +39,9 @@ class _Choice:
     stop_reason: int | str | None = None
 
 
-@dataclasses.dataclass(frozen=True)
-class Child:
-    """One choice of a request: its own id, its prompt, and its params (seed + j)."""
-
-    request_id: str  # "<id>-<choice index>"
+class Child(NamedTuple):
+    """One choice: its own id ("<id>-<choice index>"), its prompt, its params (seed + j)."""
+    request_id: str
     prompt_ids: list[int]
     params: SamplingParams
 
@@ -146,7 +145,7 @@ class OpenAIServer:
     def samples(self, p: Prepared) -> AsyncIterator[tuple[int, TokenDelta]]:
         """The choices of a prepared request, running concurrently, as (choice, delta);
         closing it aborts them."""
-        return _merge([self.generate(c.request_id, c.prompt_ids, c.params) for c in p.children])
+        return _merge([self.generate(*c) for c in p.children])
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.hf.decode([token_id])
@@ -175,8 +174,7 @@ class OpenAIServer:
         req, params = p.request, p.params
         created = int(self.clock())
         if not req.stream:
-            choices = await within(asyncio.gather(*(self._collect(c.request_id, c.prompt_ids, c.params)
-                                                    for c in p.children)), deadline)
+            choices = await within(asyncio.gather(*(self._collect(c) for c in p.children)), deadline)
             return self._response(p.kind, p.request_id, created, choices, p.prompt_tokens,
                                   params.logprobs is not None)
         merged = self.samples(p)
@@ -190,9 +188,9 @@ class OpenAIServer:
                              include_usage, params.logprobs is not None, deadline)
         return SSEStream(lines, merged)
 
-    async def _collect(self, cid: str, prompt_ids: list[int], params: SamplingParams) -> _Choice:
+    async def _collect(self, child: Child) -> _Choice:
         choice = _Choice()
-        async for deltas in self.generate(cid, prompt_ids, params):
+        async for deltas in self.generate(*child):
             for d in deltas:
                 choice.text += d.text
                 choice.token_ids += d.token_ids
@@ -206,12 +204,9 @@ class OpenAIServer:
         out = []
         for i, c in enumerate(choices):
             lp = self._logprobs(kind, c.logprobs) if with_logprobs else None
-            if kind == "chat":
-                out.append({"index": i, "message": {"role": "assistant", "content": c.text},
-                            "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-            else:
-                out.append({"index": i, "text": c.text, "logprobs": lp,
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            body = {"message": {"role": "assistant", "content": c.text}} if kind == "chat" else {"text": c.text}
+            out.append({"index": i, **body, "logprobs": lp, "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason})
         completion = sum(len(c.token_ids) for c in choices)
         return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
                 "created": created, "model": self.model_name, "choices": out,
@@ -224,6 +219,7 @@ class OpenAIServer:
         base = {"id": rid, "object": obj, "created": created, "model": self.model_name}
         extra = {"usage": None} if include_usage else {}
         completion_tokens = 0
+        offsets = [0] * n  # per choice: where its next token starts in its text (completions logprobs)
 
         def chunk(choices: list[dict[str, Any]]) -> str:
             return f"data: {json.dumps({**base, 'choices': choices, **extra}, ensure_ascii=False)}\n\n"
@@ -236,7 +232,9 @@ class OpenAIServer:
             while item is not None:
                 j, d = item
                 completion_tokens += len(d.token_ids)
-                lp = self._logprobs(kind, d.logprobs or []) if with_logprobs else None
+                lp = self._logprobs(kind, d.logprobs or [], offsets[j]) if with_logprobs else None
+                if lp is not None and kind == "text" and lp["tokens"]:
+                    offsets[j] = lp["text_offset"][-1] + len(lp["tokens"][-1])
                 body = ({"delta": {"content": d.text} if d.text else {}} if kind == "chat" else {"text": d.text})
                 finish = d.finish_reason
                 if d.text or d.token_ids or finish:
@@ -258,7 +256,8 @@ class OpenAIServer:
             yield f"data: {json.dumps({**base, 'choices': [], 'usage': _usage(num_prompt, completion_tokens)})}\n\n"
         yield "data: [DONE]\n\n"
 
-    def _logprobs(self, kind: str, entries: list[TokenLogprobs]) -> dict[str, Any]:
+    def _logprobs(self, kind: str, entries: list[TokenLogprobs], offset: int = 0) -> dict[str, Any]:
+        """OpenAI's logprobs object (completions: `text_offset` from `offset` in the choice's text)."""
         piece = self.token_text
 
         if kind == "chat":
@@ -267,10 +266,11 @@ class OpenAIServer:
                                  "top_logprobs": [{"token": piece(t.token_id), "logprob": t.logprob,
                                                    "bytes": list(piece(t.token_id).encode())} for t in e.top]}
                                 for e in entries]}
-        return {"tokens": [piece(e.sampled.token_id) for e in entries],
-                "token_logprobs": [e.sampled.logprob for e in entries],
+        tokens = [piece(e.sampled.token_id) for e in entries]
+        starts = list(itertools.accumulate([offset] + [len(t) for t in tokens[:-1]]))[: len(tokens)]
+        return {"tokens": tokens, "token_logprobs": [e.sampled.logprob for e in entries],
                 "top_logprobs": [{piece(t.token_id): t.logprob for t in e.top} for e in entries],
-                "text_offset": []}
+                "text_offset": starts}
 
 
 def deadline_after(timeout_s: float | None) -> float | None:

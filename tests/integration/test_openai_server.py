@@ -232,3 +232,19 @@ def test_tools_with_tool_choice_none_and_text_response_format_are_plain_requests
     r = run(stack["disagg"].chat(chat(temperature=0, max_tokens=4, tools=tools, tool_choice="none",
                                       response_format={"type": "text"})))
     assert r["choices"][0]["finish_reason"] == "length"
+
+
+def test_completion_logprobs_carry_text_offsets_streamed_or_not(stack):
+    body = {"model": MODEL, "prompt": "Once upon", "temperature": 0, "max_tokens": 8, "logprobs": 2}
+
+    async def go():
+        full = await stack["disagg"].completions(body)
+        return full, await drain(await stack["disagg"].completions({**body, "stream": True}))
+
+    full, chunks = run(go())
+    lp = full["choices"][0]["logprobs"]
+    assert len(lp["text_offset"]) == len(lp["tokens"]) == 8
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(8)]
+    streamed = [o for c in chunks[:-1] if c["choices"][0]["logprobs"]
+                for o in c["choices"][0]["logprobs"]["text_offset"]]
+    assert streamed == lp["text_offset"]
