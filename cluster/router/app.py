@@ -89,8 +89,7 @@ class RouterDeployment:
         arch = Architecture.from_folder(path)
         max_len = min(x for x in (model.max_model_len or arch.max_position_embeddings,
                                   arch.sliding_window or 1 << 62))
-        # Token streams over Serve's gRPC data plane (by value): cheaper per chunk (README).
-        self.decode = decode.options(stream=True, _by_reference=False)
+        self.decode = decode.options(stream=True, _by_reference=False)  # streams over gRPC: cheaper (README)
         self.stats_handle = decode
         self.api_key = self.config.api_key or os.environ.get("TANDEM_API_KEY") or None
         self.openai = OpenAIServer(self.config.served_model_name or path.name, Tokenizer(path), max_len,
@@ -135,9 +134,10 @@ class RouterDeployment:
         return Response(status_code=200)
 
     @api.get("/v1/models")
-    async def models(self, request: Request) -> Response:
+    @api.get("/v1/models/{model_id:path}")  # the SDK's models.retrieve
+    async def models(self, request: Request, model_id: str | None = None) -> Response:
         self._auth(request)
-        return JSONResponse(self.openai.models())
+        return JSONResponse(self.openai.models(model_id))
 
     @api.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Response:

@@ -92,9 +92,12 @@ class OpenAIServer:
         self.map_error = map_error or (lambda exc: APIError(500, f"generation failed: {type(exc).__name__}",
                                                             type_="internal_error"))
 
-    def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                            "owned_by": "tandem", "max_model_len": self.max_model_len}]}
+    def models(self, model_id: str | None = None) -> dict[str, Any]:
+        if model_id is not None:
+            self._check_model(model_id)  # GET /v1/models/{model_id}: this model's card, or a 404
+        card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "tandem",
+                "max_model_len": self.max_model_len}
+        return card if model_id is not None else {"object": "list", "data": [card]}
 
     # -- entry points ----------------------------------------------------------------
     async def chat(self, body: Any, timeout_s: float | None = None) -> dict[str, Any] | SSEStream:
@@ -171,8 +174,7 @@ class OpenAIServer:
         return requested if requested is not None else room
 
     async def _run(self, p: Prepared, deadline: float | None) -> dict[str, Any] | SSEStream:
-        req, params = p.request, p.params
-        created = int(self.clock())
+        req, params, created = p.request, p.params, int(self.clock())
         if not req.stream:
             choices = await within(asyncio.gather(*(self._collect(c) for c in p.children)), deadline)
             return self._response(p.kind, p.request_id, created, choices, p.prompt_tokens,
@@ -259,7 +261,6 @@ class OpenAIServer:
     def _logprobs(self, kind: str, entries: list[TokenLogprobs], offset: int = 0) -> dict[str, Any]:
         """OpenAI's logprobs object (completions: `text_offset` from `offset` in the choice's text)."""
         piece = self.token_text
-
         if kind == "chat":
             return {"content": [{"token": piece(e.sampled.token_id), "logprob": e.sampled.logprob,
                                  "bytes": list(piece(e.sampled.token_id).encode()),

@@ -167,7 +167,8 @@ def test_api_key_guards_v1_but_not_health(url, tiny_model_paths):
     try:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sk-tandem-test"}):
             for method, path, body in (("POST", CHAT, chat()), ("POST", COMP, completion()),
-                                       ("GET", "/v1/models", None), ("GET", "/debug/stats", None)):
+                                       ("GET", "/v1/models", None), ("GET", f"/v1/models/{MODEL}", None),
+                                       ("GET", "/debug/stats", None)):
                 status, _, raw = request(url, method, path, body, headers)
                 assert status == 401, (path, headers, status)
                 err = json.loads(raw)["error"]

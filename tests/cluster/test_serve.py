@@ -75,6 +75,10 @@ def test_disaggregated_app_end_to_end(serve_url):
 
     with pytest.raises(openai.NotFoundError):
         c.chat.completions.create(model="gpt-4", messages=QUESTION)
+    card = c.models.retrieve(model)
+    assert card.id == model and card.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        c.models.retrieve("gpt-4")
     with pytest.raises(openai.BadRequestError):
         c.chat.completions.create(model=model, messages=[])
 
