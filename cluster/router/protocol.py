@@ -124,7 +124,7 @@ class _Sampling(_Strict):
     @classmethod
     def _token_id_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key in v or {}:
-            if not (key.isascii() and key.isdigit()):
+            if not (key.isascii() and key.isdigit() and len(key) <= 12):
                 raise ValueError("keys must be token ids (non-negative integers, as strings)")
         return v
 

@@ -105,6 +105,8 @@ CASES = {
     "logit_bias_key_not_a_token_id": ("POST", CHAT, chat(logit_bias={MARK: 1}), None, 400, "logit_bias"),
     "logit_bias_out_of_range": ("POST", CHAT, chat(logit_bias={"7": 1000}), None, 400, "logit_bias.7"),
     "logit_bias_token_outside_vocab": ("POST", CHAT, chat(logit_bias={"4000000000": 1}), None, 400, "logit_bias"),
+    "logit_bias_key_of_5000_digits": ("POST", CHAT, chat(logit_bias={"9" * 5000: 1}), None, 400, "logit_bias"),
+    "logit_bias_same_id_twice": ("POST", CHAT, chat(logit_bias={"7": 1, "007": 2}), None, 400, "logit_bias"),
     "body_over_the_size_limit": ("POST", CHAT, chat(user=MARK * (BODY_LIMIT // len(MARK))), None, 413, None),
     "too_many_headers": ("POST", CHAT, chat(), [(f"X-Pad-{i}", MARK) for i in range(80)], 431, None),
     "headers_too_large": ("POST", CHAT, chat(), {"X-Pad": MARK * 1500}, 431, None),
