@@ -48,9 +48,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
-        if isinstance(self.logit_bias, dict):
-            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
-        object.__setattr__(self, "logit_bias", tuple((t, b) for t, b in self.logit_bias or ()))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias or ()
+        object.__setattr__(self, "logit_bias", tuple((t, b) for t, b in bias))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self._validate()

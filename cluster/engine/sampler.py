@@ -1,4 +1,5 @@
-"""Logits → next tokens: min_tokens, logit bias, penalties, temperature, top-k/top-p/min-p, seeded sampling."""
+"""Logits → next tokens: min_tokens, logit bias, penalties, temperature, top-k/top-p/min-p,
+seeded sampling."""
 
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     """Pick one token per row of `logits` [B, V] (float32; left unmodified).
 
     Order, as in vLLM v1: logprobs from the raw logits; min_tokens masks EOS and stop_token_ids;
-    logit_bias is added; repetition (prompt + output), frequency and presence (output) penalties; then greedy argmax
-    (temperature 0) or temperature → top-k → top-p → min-p → sampling. A row's random draw
+    logit_bias is added; repetition (prompt + output), frequency and presence (output)
+    penalties; then greedy argmax (temperature 0) or temperature → top-k → top-p → min-p →
+    sampling. A row's random draw
     comes from its own generator (None: torch's default), so a seeded row's token depends only
     on its logits and its generator state, never on the other rows.
     """

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
-from cluster.sampling_params import MAX_LOGPROBS, SamplingParams
+from cluster.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 MAX_N = 16
 MAX_CHOICES = 64  # prompts x n in one /v1/completions request
@@ -126,6 +126,10 @@ class _Sampling(_Strict):
         for key in v or {}:
             if not (key.isascii() and key.isdigit() and len(key) <= 12):
                 raise ValueError("keys must be token ids (non-negative integers, as strings)")
+        if len(v or {}) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} tokens")
+        if len({int(k) for k in v or {}}) != len(v or {}):
+            raise ValueError("a token id is named more than once")
         return v
 
     def logit_bias_ids(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
@@ -169,7 +173,7 @@ class _Sampling(_Strict):
                 logit_bias=logit_bias,
             )
         except ValueError as exc:
-            raise APIError(400, str(exc), param="logit_bias" if "logit_bias" in str(exc) else None) from None
+            raise APIError(400, str(exc)) from None
 
 
 class ChatCompletionRequest(_Sampling):
