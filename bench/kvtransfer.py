@@ -1,6 +1,6 @@
 """KV-transfer speed of each connector vs the raw limit of its transport, one JSON line.
 
-    python bench/kvtransfer.py [--repeats 5] [--sizes 256,1024,4096]
+    python bench/kvtransfer.py [--repeats 25] [--sizes 256,1024,4096]
                                [--connectors shared_store,tcp,collective] [--malloc-hugetlb 1]
 
 Payload: the default model's packed KV (SmolLM2-135M-Instruct: 30 layers, 3 KV heads,
@@ -114,7 +114,7 @@ def _settle(max_wait_s: float = 15.0, idle_min: float = 0.85) -> float:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=25)
     ap.add_argument("--sizes", default="256,1024,4096", help="prompt sizes in tokens")
     ap.add_argument("--connectors", default=",".join(CONNECTORS))
     ap.add_argument("--malloc-hugetlb", type=int, choices=(0, 1), default=1,

@@ -26,8 +26,9 @@ owns only its transport buffers and must release them (sockets, object refs, gro
 `cancel` / `close`.
 
 Every wait has a timeout and ends in a `KVTransferError` subclass, never a hang. Payloads
-are verified against the header (layout, size, checksum) before a single byte reaches the
-decode cache. Nothing is ever unpickled.
+are verified against the header (layout, size, checksum; or a checksum that trails the
+payload, where `checksum_trails`) before a single byte reaches the decode cache. Nothing is
+ever unpickled.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ import torch
 
 from cluster.kvtransfer.errors import (KVFrameError, KVLayoutMismatchError, KVPeerGoneError,  # noqa: F401
                                        KVTimeoutError, KVTransferError, KVIntegrityError)
-from cluster.kvtransfer.wire import KVHeader, KVLayout, make_header, parse_header, verify_payload
+from cluster.kvtransfer.wire import (KVHeader, KVLayout, checksum, kv_view, make_header, parse_header,
+                                     sized_view)
 from cluster.metrics import KV_TRANSFER_BUCKETS, Histogram
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -66,6 +68,9 @@ class KVConnector(ABC):
     zero_copy: ClassVar[bool] = False  # receiver reads the sender's bytes without a copy
     cross_node: ClassVar[bool] = True  # works between nodes
     needs_ray: ClassVar[bool] = False
+    # the checksum follows the payload (the sender computes it while the payload is on the
+    # wire) instead of leading it in the header; receivers then implement `_fetch_checksum`
+    checksum_trails: ClassVar[bool] = False
 
     def __init__(self, layout: KVLayout, *, max_payload_bytes: int = 1 << 30,
                  timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
@@ -97,10 +102,18 @@ class KVConnector(ABC):
         if expected is None:
             raise KVFrameError(f"no transfer of {request_id!r} is expected here")
         start = time.monotonic()
+        deadline = start + (self.timeout_s if timeout_s is None else timeout_s)
         try:
-            header_bytes, payload = self._fetch(expected, receipt, self.timeout_s if timeout_s is None else timeout_s)
+            header_bytes, payload = self._fetch(expected, receipt, deadline - start)
             header = self.check_header(header_bytes, expected)
-            tensor = verify_payload(header, payload, self.layout)
+            view = sized_view(header, payload)
+            actual = checksum(view)
+            claimed = header.checksum
+            if claimed is None:  # trailing: right behind the payload, so at least 1 s for it
+                claimed = self._fetch_checksum(expected, max(deadline - time.monotonic(), 1.0))
+            if actual != claimed:
+                raise KVIntegrityError(f"checksum mismatch for {request_id!r}: payload corrupted")
+            tensor = kv_view(header, view, self.layout)
         except KVTransferError as exc:
             self.counters[f"receive_{exc.kind}"] += 1
             raise
@@ -118,6 +131,10 @@ class KVConnector(ABC):
             raise KVLayoutMismatchError(
                 f"KV layout mismatch: sender has {header.layout.describe()}, "
                 f"this receiver has {self.layout.describe()}")
+        if (header.checksum is None) != self.checksum_trails:
+            where = "after the payload" if self.checksum_trails else "in the header"
+            raise KVFrameError(f"header of {header.request_id!r} for connector {self.name!r}: "
+                               f"its checksum must come {where}")
         if header.request_id != expected.request_id:
             raise KVFrameError(f"payload for {header.request_id!r} arrived where "
                                f"{expected.request_id!r} was expected")
@@ -149,7 +166,8 @@ class KVConnector(ABC):
         if receiver.get("connector") != self.name:
             raise KVTransferError(f"receiver uses connector {receiver.get('connector')!r}, "
                                   f"this sender {self.name!r}")
-        header, view = make_header(request_id, num_tokens, payload, self.layout)
+        header, view = make_header(request_id, num_tokens, payload, self.layout,
+                                   with_checksum=not self.checksum_trails)
         start = time.monotonic()
         try:
             receipt = self._transmit(header, view, receiver)
@@ -172,12 +190,19 @@ class KVConnector(ABC):
 
     @abstractmethod
     def _transmit(self, header: KVHeader, payload: memoryview, receiver: dict[str, Any]) -> dict[str, Any]:
-        """Move header + payload bytes toward the receiver; raise a KVTransferError on failure."""
+        """Move header + payload bytes toward the receiver; raise a KVTransferError on failure.
+        Where `checksum_trails`, `header.checksum` is None: compute it after the payload has
+        left and send it behind it (one given in the header is sent as the trailer instead)."""
 
     @abstractmethod
     def _fetch(self, expected: Expected, receipt: dict[str, Any], timeout_s: float) -> tuple[bytes, Any]:
         """Return (header bytes, payload buffer) for `expected`; call `check_header` before
         allocating anything sized by the peer. Raise KVTimeoutError when `timeout_s` passes."""
+
+    def _fetch_checksum(self, expected: Expected, timeout_s: float) -> int:
+        """The trailing checksum of `expected`'s payload (only where `checksum_trails`);
+        raise KVTimeoutError when `timeout_s` passes."""
+        raise KVFrameError(f"connector {self.name!r} sends no trailing checksum")
 
     def _forget(self, request_id: str) -> None:
         """Drop transport state kept for R (buffers that arrived, refs); default: none."""

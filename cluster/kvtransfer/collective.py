@@ -184,7 +184,7 @@ class CollectiveConnector(KVConnector):
         if isinstance(item, KVTransferError):
             self._mailbox.fail(request_id, item)
         else:
-            self._mailbox.deliver(request_id, *item)
+            self._mailbox.deliver(request_id, item)
         if self.is_expected(request_id) is None:  # cancelled while it was in flight
             self._mailbox.discard(request_id)
             self.counters["dropped_late"] += 1

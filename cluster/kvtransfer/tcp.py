@@ -1,20 +1,25 @@
 """TCP connector: pyzmq DEALER (prefill) → ROUTER (decode), msgpack headers, raw payload frames.
 
-    prefill DEALER ── [b"TKV1", header (msgpack), payload (raw, zero-copy)] ──▶ decode ROUTER
-                   ◀── [reply (msgpack {"ok": bool, "kind": str, "error": str})] ──
+    prefill DEALER ── [b"TKV2", header (msgpack, checksum nil), payload (raw, zero-copy)] ──▶ decode ROUTER
+                   ── [b"TKV2S", trailer (msgpack {request_id, checksum})] ──────────────────▶
+                   ◀── one reply per message (msgpack {"ok": bool, "kind": str, "error": str})
 
-The decode side listens on `host:port` (loopback and a free port by default) and advertises
-the address in `receiver_info`. Its listener thread checks every header before keeping a
-payload; `receive` then verifies the checksum. Bounds: libzmq drops any frame over
-`max_payload_bytes` (ZMQ_MAXMSGSIZE) before allocating it and closes that connection; the
-sender sees a typed timeout. Senders use ZMQ_IMMEDIATE, so an unreachable peer is a
-KVPeerGoneError, not a queued message.
+The checksum trails the payload: the sender hands the payload to libzmq's I/O thread first and
+computes the checksum while it is on the wire, so only the receiver's pass over the bytes adds
+to the transfer's latency. The decode side listens on `host:port` (loopback and a free port by
+default) and advertises the address in `receiver_info`. Its listener thread checks every header
+before keeping a payload, and keeps a trailer only for a payload it kept; `receive` verifies
+the checksum. Bounds: libzmq drops any frame over `max_payload_bytes` (ZMQ_MAXMSGSIZE) before
+allocating it and closes that connection; the sender sees a typed timeout. Senders use
+ZMQ_IMMEDIATE, so an unreachable peer is a KVPeerGoneError, not a queued message.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
-from typing import Any
+import time
+from typing import Any, Callable
 
 import msgpack
 import zmq
@@ -23,9 +28,11 @@ from cluster.kvtransfer import errors
 from cluster.kvtransfer.base import Expected, KVConnector, register
 from cluster.kvtransfer.errors import KVFrameError, KVPeerGoneError, KVTimeoutError, KVTransferError
 from cluster.kvtransfer.mailbox import Mailbox
-from cluster.kvtransfer.wire import MAX_HEADER_BYTES, KVHeader, KVLayout, parse_header
+from cluster.kvtransfer.wire import (MAX_HEADER_BYTES, KVHeader, KVLayout, checksum, encode_trailer,
+                                     parse_header, parse_trailer)
 
-MAGIC = b"TKV1"
+MAGIC = b"TKV2"  # header + payload
+TRAILER = b"TKV2S"  # the payload's checksum, right behind it
 _ERRORS = {cls.kind: cls for cls in (errors.KVTimeoutError, errors.KVLayoutMismatchError,
                                       errors.KVIntegrityError, errors.KVFrameError,
                                       errors.KVPeerGoneError)}
@@ -35,13 +42,16 @@ _ERRORS = {cls.kind: cls for cls in (errors.KVTimeoutError, errors.KVLayoutMisma
 class TcpConnector(KVConnector):
     zero_copy = False
     cross_node = True
+    checksum_trails = True
 
     def __init__(self, layout: KVLayout, *, max_payload_bytes: int = 1 << 30, timeout_s: float = 30.0,
                  host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
                  advertise_port: int | None = None, listen: bool = True) -> None:
         super().__init__(layout, max_payload_bytes=max_payload_bytes, timeout_s=timeout_s)
         self._ctx = zmq.Context()
-        self._mailbox = Mailbox()
+        self._mailbox = Mailbox()  # request id -> (header bytes, payload)
+        self._sums = Mailbox()  # request id -> trailing checksum
+        self._awaiting_sum: set[str] = set()  # payload kept, trailer not here yet
         self._senders: dict[str, zmq.Socket] = {}
         self._send_lock = threading.Lock()
         self._stop = threading.Event()
@@ -79,7 +89,9 @@ class TcpConnector(KVConnector):
             sock.close(0)
 
     def _accept(self, frames: list[zmq.Frame]) -> dict[str, Any]:
-        """Check one incoming message; keep its payload for `receive` or say why not."""
+        """Check one incoming message; keep its payload (or trailer) for `receive` or say why not."""
+        if len(frames) == 2 and frames[0].bytes == TRAILER:
+            return self._accept_trailer(frames[1])
         if len(frames) != 3 or frames[0].bytes != MAGIC:
             self.counters["refused_bad_frame"] += 1
             return {"ok": False, "kind": "frame", "error": "not a Tandem KV message"}
@@ -101,8 +113,31 @@ class TcpConnector(KVConnector):
             self.counters[f"refused_{exc.kind}"] += 1
             self._mailbox.fail(header.request_id, exc)
             return {"ok": False, "kind": exc.kind, "error": str(exc)}
-        self._mailbox.deliver(header.request_id, header_frame.bytes, payload.buffer)
+        with self._lock:
+            self._awaiting_sum.add(header.request_id)
+        self._post(self._mailbox, header.request_id, (header_frame.bytes, payload.buffer))
         return {"ok": True}
+
+    def _accept_trailer(self, frame: zmq.Frame) -> dict[str, Any]:
+        try:
+            request_id, value = parse_trailer(frame.bytes)
+        except KVTransferError as exc:
+            self.counters[f"refused_{exc.kind}"] += 1
+            return {"ok": False, "kind": exc.kind, "error": str(exc)}
+        with self._lock:
+            kept = request_id in self._awaiting_sum
+            self._awaiting_sum.discard(request_id)
+        if not kept:  # its payload was refused, or the request is gone
+            self.counters["dropped_trailer"] += 1
+            return {"ok": False, "kind": "frame", "error": f"no payload of {request_id!r} awaits a checksum"}
+        self._post(self._sums, request_id, value)
+        return {"ok": True}
+
+    def _post(self, box: Mailbox, request_id: str, item: Any) -> None:
+        box.deliver(request_id, item)
+        if self.is_expected(request_id) is None:  # cancelled while it was in flight
+            self._forget(request_id)
+            self.counters["dropped_late"] += 1
 
     def _receiver_address(self) -> dict[str, Any]:
         if self._address is None:
@@ -112,30 +147,49 @@ class TcpConnector(KVConnector):
     def _fetch(self, expected: Expected, receipt: dict[str, Any], timeout_s: float) -> tuple[bytes, Any]:
         return self._mailbox.wait(expected.request_id, timeout_s)
 
+    def _fetch_checksum(self, expected: Expected, timeout_s: float) -> int:
+        return self._sums.wait(expected.request_id, timeout_s, what="the checksum")
+
     def _forget(self, request_id: str) -> None:
+        with self._lock:
+            self._awaiting_sum.discard(request_id)
         self._mailbox.discard(request_id)
+        self._sums.discard(request_id)
 
     # -- prefill side ----------------------------------------------------------------
     def _transmit(self, header: KVHeader, payload: memoryview, receiver: dict[str, Any]) -> dict[str, Any]:
-        return self.transmit_frames(receiver["address"], [MAGIC, header.encode(), payload])
+        def trailer() -> list[bytes]:  # runs once the payload is queued for libzmq's I/O thread
+            value = checksum(payload) if header.checksum is None else header.checksum
+            return [TRAILER, encode_trailer(header.request_id, value)]
 
-    def transmit_frames(self, address: str, frames: list[Any]) -> dict[str, Any]:
-        """Send raw frames and wait for the listener's verdict (also the fault-test hook)."""
+        head = dataclasses.replace(header, checksum=None).encode()
+        return self.transmit_frames(receiver["address"], [MAGIC, head, payload], trailer)
+
+    def transmit_frames(self, address: str, *messages: list[Any] | Callable[[], list[Any]]) -> dict[str, Any]:
+        """Send messages in order (lists of frames, or callables that make one when its turn
+        comes), then wait for the listener's verdict on each; the first refusal raises. Also
+        the fault tests' hook."""
+        deadline = time.monotonic() + self.timeout_s
         with self._send_lock:
             sock = self._sender(address)
-            try:
-                sock.send_multipart(frames, copy=False)
-            except zmq.Again:
-                self._drop_sender(address)
-                raise KVPeerGoneError(f"no connection to {address} within {self.timeout_s:.1f}s") from None
-            if not sock.poll(int(self.timeout_s * 1000)):
-                self._drop_sender(address)
-                raise KVTimeoutError(f"no reply from {address} within {self.timeout_s:.1f}s "
-                                     "(peer gone, or the frame exceeded its size limit)")
-            reply = msgpack.unpackb(sock.recv()[:MAX_HEADER_BYTES], raw=False, max_bin_len=0, max_ext_len=0)
-        if not isinstance(reply, dict) or not reply.get("ok"):
-            kind = reply.get("kind") if isinstance(reply, dict) else "frame"
-            raise _ERRORS.get(kind, KVTransferError)(f"{address} refused the KV: {reply}")
+            for message in messages:
+                try:
+                    sock.send_multipart(message() if callable(message) else message, copy=False)
+                except zmq.Again:
+                    self._drop_sender(address)
+                    raise KVPeerGoneError(f"no connection to {address} within {self.timeout_s:.1f}s") from None
+            replies = []
+            for _ in messages:
+                if not sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+                    self._drop_sender(address)
+                    raise KVTimeoutError(f"no reply from {address} within {self.timeout_s:.1f}s "
+                                         "(peer gone, or the frame exceeded its size limit)")
+                replies.append(msgpack.unpackb(sock.recv()[:MAX_HEADER_BYTES], raw=False,
+                                               max_bin_len=0, max_ext_len=0))
+        for reply in replies:
+            if not isinstance(reply, dict) or not reply.get("ok"):
+                kind = reply.get("kind") if isinstance(reply, dict) else "frame"
+                raise _ERRORS.get(kind, KVTransferError)(f"{address} refused the KV: {reply}")
         return {}
 
     def _sender(self, address: str) -> zmq.Socket:

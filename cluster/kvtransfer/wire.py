@@ -1,10 +1,18 @@
 """Wire format of one KV transfer: a msgpack header, then the raw packed KV bytes.
 
     header (msgpack map, <= MAX_HEADER_BYTES)            payload (payload_bytes raw bytes)
-    {"v": 1, "request_id": str, "num_tokens": int,       [L, 2, n, block_size, Hkv, D] in
+    {"v": 2, "request_id": str, "num_tokens": int,       [L, 2, n, block_size, Hkv, D] in
      "num_blocks": n, "payload_bytes": int,              `dtype`, C-contiguous: exactly
-     "checksum": int, "layout": {model, num_layers,      layout.payload_bytes(n) bytes
-     num_kv_heads, head_dim, block_size, dtype}}
+     "checksum": int | nil, "layout": {model,            layout.payload_bytes(n) bytes
+     num_layers, num_kv_heads, head_dim, block_size, dtype}}
+
+    trailer (msgpack map, only where the header's checksum is nil: the connector's
+    `checksum_trails`)  {"request_id": str, "checksum": int}
+
+A nil checksum in the header means the sender computes it while the payload is already on the
+wire and sends it after, in a trailer: the sender's pass over the payload then costs no
+latency. Which of the two a connector speaks is fixed per connector; a header of the other kind
+is refused.
 
 The checksum is a Fletcher-style pair of wrapping 64-bit sums over the payload's 8-byte words
 (plain sum, and a sum of 64 KiB-row sums weighted by row position), folded into one 64-bit
@@ -27,7 +35,7 @@ import torch
 
 from cluster.kvtransfer import errors as err
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: the checksum may trail the payload
 MAX_HEADER_BYTES = 16 * 1024
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -94,7 +102,7 @@ class KVHeader:
     num_tokens: int
     num_blocks: int
     payload_bytes: int
-    checksum: int
+    checksum: int | None  # None: it follows the payload, in a trailer
     layout: KVLayout
     version: int = WIRE_VERSION
 
@@ -144,43 +152,67 @@ def as_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.view(torch.uint8).numpy()).cast("B")
 
 
-def make_header(request_id: str, num_tokens: int, payload: torch.Tensor,
-                layout: KVLayout) -> tuple[KVHeader, memoryview]:
+def make_header(request_id: str, num_tokens: int, payload: torch.Tensor, layout: KVLayout,
+                with_checksum: bool = True) -> tuple[KVHeader, memoryview]:
     n = payload.shape[2] if payload.dim() == 6 else -1
     if tuple(payload.shape) != layout.payload_shape(n) or payload.dtype != layout.torch_dtype:
         raise ValueError(f"payload {tuple(payload.shape)} {payload.dtype} does not match {layout.describe()}")
     view = as_bytes(payload)
-    header = KVHeader(request_id, num_tokens, n, view.nbytes, checksum(view), layout)
+    header = KVHeader(request_id, num_tokens, n, view.nbytes,
+                      checksum(view) if with_checksum else None, layout)
     return header, view
 
 
-def parse_header(data: Any) -> KVHeader:
-    """Bounded msgpack decode of a header; a KVFrameError for anything unexpected."""
+def _unpack_map(data: Any, what: str) -> dict[str, Any]:
+    """Bounded msgpack decode of a small map of plain values; a KVFrameError otherwise."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise err.KVFrameError("header must be bytes")
+        raise err.KVFrameError(f"{what} must be bytes")
     if len(data) > MAX_HEADER_BYTES:
-        raise err.KVFrameError(f"oversized header: {len(data)} bytes > {MAX_HEADER_BYTES}")
+        raise err.KVFrameError(f"oversized {what}: {len(data)} bytes > {MAX_HEADER_BYTES}")
     try:
         d = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True,
                             max_str_len=4096, max_bin_len=0,
                             max_array_len=0, max_map_len=16, max_ext_len=0)
     except Exception as exc:  # msgpack raises several types for bad input
-        raise err.KVFrameError(f"malformed header: {type(exc).__name__}: {exc}") from None
+        raise err.KVFrameError(f"malformed {what}: {type(exc).__name__}: {exc}") from None
     if not isinstance(d, dict):
-        raise err.KVFrameError("header must be a msgpack map")
+        raise err.KVFrameError(f"{what} must be a msgpack map")
+    return d
+
+
+def parse_header(data: Any) -> KVHeader:
+    """Bounded msgpack decode of a header; a KVFrameError for anything unexpected."""
+    d = _unpack_map(data, "header")
     if d.get("v") != WIRE_VERSION:
         raise err.KVFrameError(f"unsupported wire version {d.get('v')!r} (this side speaks {WIRE_VERSION})")
     try:
         return KVHeader(
             request_id=str(d["request_id"]), num_tokens=_int(d["num_tokens"]),
             num_blocks=_int(d["num_blocks"]), payload_bytes=_int(d["payload_bytes"]),
-            checksum=_int(d["checksum"]), layout=KVLayout.from_dict(d["layout"]))
+            checksum=None if d["checksum"] is None else _int(d["checksum"]),
+            layout=KVLayout.from_dict(d["layout"]))
     except (KeyError, ValueError) as exc:
         raise err.KVFrameError(f"malformed header field: {exc}") from None
 
 
-def verify_payload(header: KVHeader, payload: Any, layout: KVLayout) -> torch.Tensor:
-    """Check size and checksum, then view the bytes as `[L, 2, n, bs, Hkv, D]` (no copy)."""
+def encode_trailer(request_id: str, value: int) -> bytes:
+    return msgpack.packb({"request_id": request_id, "checksum": value})
+
+
+def parse_trailer(data: Any) -> tuple[str, int]:
+    """Bounded decode of a trailer: (request id, checksum)."""
+    d = _unpack_map(data, "trailer")
+    try:
+        request_id, value = d["request_id"], _int(d["checksum"])
+    except (KeyError, ValueError) as exc:
+        raise err.KVFrameError(f"malformed trailer field: {exc}") from None
+    if not isinstance(request_id, str):
+        raise err.KVFrameError("trailer request_id must be a string")
+    return request_id, value
+
+
+def sized_view(header: KVHeader, payload: Any) -> memoryview:
+    """The payload's bytes, exactly as many as the header declares (else a KVFrameError)."""
     view = memoryview(payload).cast("B") if not isinstance(payload, memoryview) else payload.cast("B")
     if view.nbytes < header.payload_bytes:
         raise err.KVFrameError(f"truncated payload for {header.request_id!r}: "
@@ -188,8 +220,11 @@ def verify_payload(header: KVHeader, payload: Any, layout: KVLayout) -> torch.Te
     if view.nbytes > header.payload_bytes:
         raise err.KVFrameError(f"oversized payload for {header.request_id!r}: "
                                f"{view.nbytes} bytes, header says {header.payload_bytes}")
-    if checksum(view) != header.checksum:
-        raise err.KVIntegrityError(f"checksum mismatch for {header.request_id!r}: payload corrupted")
+    return view
+
+
+def kv_view(header: KVHeader, view: memoryview, layout: KVLayout) -> torch.Tensor:
+    """A verified payload's bytes as `[L, 2, n, bs, Hkv, D]` (no copy)."""
     with warnings.catch_warnings():  # read-only buffers are fine: unpack only reads them
         warnings.simplefilter("ignore", UserWarning)
         flat = torch.frombuffer(view, dtype=torch.uint8) if view.nbytes else torch.empty(0, dtype=torch.uint8)
