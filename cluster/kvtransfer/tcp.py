@@ -172,25 +172,31 @@ class TcpConnector(KVConnector):
         deadline = time.monotonic() + self.timeout_s
         with self._send_lock:
             sock = self._sender(address)
-            for message in messages:
-                try:
-                    sock.send_multipart(message() if callable(message) else message, copy=False)
-                except zmq.Again:
-                    self._drop_sender(address)
-                    raise KVPeerGoneError(f"no connection to {address} within {self.timeout_s:.1f}s") from None
-            replies = []
-            for _ in messages:
-                if not sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
-                    self._drop_sender(address)
-                    raise KVTimeoutError(f"no reply from {address} within {self.timeout_s:.1f}s "
-                                         "(peer gone, or the frame exceeded its size limit)")
-                replies.append(msgpack.unpackb(sock.recv()[:MAX_HEADER_BYTES], raw=False,
-                                               max_bin_len=0, max_ext_len=0))
+            try:
+                replies = self._exchange(sock, address, messages, deadline)
+            except BaseException:
+                self._drop_sender(address)  # a reply may still be on its way: never read it later
+                raise
         for reply in replies:
             if not isinstance(reply, dict) or not reply.get("ok"):
                 kind = reply.get("kind") if isinstance(reply, dict) else "frame"
                 raise _ERRORS.get(kind, KVTransferError)(f"{address} refused the KV: {reply}")
         return {}
+
+    def _exchange(self, sock: zmq.Socket, address: str, messages: tuple, deadline: float) -> list[Any]:
+        for message in messages:
+            try:
+                sock.send_multipart(message() if callable(message) else message, copy=False)
+            except zmq.Again:
+                raise KVPeerGoneError(f"no connection to {address} within {self.timeout_s:.1f}s") from None
+        replies = []
+        for _ in messages:
+            if not sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+                raise KVTimeoutError(f"no reply from {address} within {self.timeout_s:.1f}s "
+                                     "(peer gone, or the frame exceeded its size limit)")
+            replies.append(msgpack.unpackb(sock.recv()[:MAX_HEADER_BYTES], raw=False,
+                                           max_bin_len=0, max_ext_len=0))
+        return replies
 
     def _sender(self, address: str) -> zmq.Socket:
         sock = self._senders.get(address)

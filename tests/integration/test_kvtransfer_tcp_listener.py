@@ -145,6 +145,29 @@ def test_the_checksum_trails_the_payload_and_is_checked(receiver):
     assert not receiver._awaiting_sum
 
 
+def test_a_sender_that_fails_between_payload_and_trailer_starts_afresh(receiver):
+    """Replies still owed for the broken transfer must never be read as a later one's."""
+    address = receiver.receiver_info()["address"]
+    kv = payload(seed=3)
+    sender = TcpConnector(LAYOUT, timeout_s=3.0, listen=False)
+    try:
+        head, body, good = _wire_header("broken", kv)
+        receiver.expect("broken", 3)
+        with pytest.raises(ZeroDivisionError):  # the trailer could not be made
+            sender.transmit_frames(address, [MAGIC, head, body], lambda: 1 / 0)
+        receiver.cancel("broken")
+
+        receiver.expect("next", 3)
+        sender.send("next", 10, kv, receiver.receiver_info())
+        assert torch.equal(receiver.receive("next", {}), kv)
+        head, body, good = _wire_header("last", kv)
+        receiver.expect("last", 3)
+        with pytest.raises(KVFrameError, match="awaits a checksum"):  # its own verdict, not a stale one
+            sender.transmit_frames(address, [MAGIC, head, body], [TRAILER, encode_trailer("other", good)])
+    finally:
+        sender.close()
+
+
 def test_header_parsing_is_bounded_and_typed():
     from cluster.kvtransfer.wire import MAX_HEADER_BYTES, parse_header, parse_trailer
 
