@@ -10,9 +10,10 @@
     `checksum_trails`)  {"request_id": str, "checksum": int}
 
 A nil checksum in the header means the sender computes it while the payload is already on the
-wire and sends it after, in a trailer: the sender's pass over the payload then costs no
-latency. Which of the two a connector speaks is fixed per connector; a header of the other kind
-is refused.
+wire and sends it after, in a trailer: the sender's pass over the payload overlaps the transfer
+instead of preceding it (on a host with spare cores it leaves the critical path; on two busy
+cores it still takes CPU from the wire). Which of the two a connector speaks is fixed per
+connector; a header of the other kind is refused.
 
 The checksum is a Fletcher-style pair of wrapping 64-bit sums over the payload's 8-byte words
 (plain sum, and a sum of 64 KiB-row sums weighted by row position), folded into one 64-bit
