@@ -194,16 +194,29 @@ def test_decode_replica_killed_after_prefill_the_prefill_blocks_return_within_th
     waiting = wait_for_replica(serve_url, lambda s: s["pool"] == "decode" and s["num_remote"] > 0, 30,
                                "a decode replica to reserve the prompt")
     os.kill(waiting["pid"], signal.SIGKILL)
-    t = time.monotonic()
+
+    def prefill() -> dict:  # {} while the prefill replica's periodic post is not in yet
+        found = [s for s in replica_stats(serve_url, settle_s=0.5) if s["pool"] == "prefill"]
+        assert len(found) <= 1, found
+        return found[0] if found else {}
+
+    # the prefill finishes (however long this machine takes for the long prompt), its lease
+    # starts, and the dead replica never acknowledges: the lease frees the prompt's blocks
+    seen: dict[str, float] = {}
+
+    def expired() -> bool:
+        p = prefill()
+        if p.get("leases", 0) >= 1:
+            seen.setdefault("lease", time.monotonic())
+        return p.get("lease_expired", 0) >= 1
+
+    wait_for(expired, 60, "the dead decode replica's lease to expire")
+    assert "lease" in seen, "the lease was never seen held"
+    assert time.monotonic() - seen["lease"] < 3 + 5  # the lease (3 s), the reaper's period, the stats' lag
     worker.join(timeout=120)
     assert result.get("finish") == "length", result  # the stream moved to the other decode replica
-
-    def prefill_idle() -> bool:
-        (p,) = [s for s in replica_stats(serve_url, settle_s=0.5) if s["pool"] == "prefill"]
-        return p["blocks_in_use"] == 0 and p["leases"] == 0
-
-    wait_for(prefill_idle, 30, "the prefill replica to free the dead decode replica's blocks")
-    assert time.monotonic() - t < 3 + 8  # the lease (3 s), the reaper's period and the stats' lag
+    wait_for(lambda: (lambda p: p.get("blocks_in_use") == 0 and p.get("leases") == 0)(prefill()), 30,
+             "the prefill replica to hold no blocks and no leases")
 
 
 def test_prefill_dies_after_putting_the_kv_the_failure_policy_recomputes(serve_url):
