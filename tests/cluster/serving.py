@@ -111,6 +111,18 @@ def wait_for_replica(url: str, predicate: Callable[[dict[str, Any]], bool], time
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
+def pool_stats(url: str, pools: tuple[str, ...], timeout_s: float = 30.0) -> dict[str, dict[str, Any]]:
+    """Stats per pool once each of `pools` has posted: a just-deployed app answers before its
+    replicas' first periodic posts reach the stats board."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = {s["pool"]: s for s in replica_stats(url, settle_s=0.3)}
+        if all(p in stats for p in pools):
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {pools} to post stats")
+
+
 def chat_in_background(url: str, content: str, max_tokens: int) -> tuple[threading.Thread, dict[str, Any]]:
     """A greedy chat completion on its own thread; the dict gets finish/tokens, or error."""
     result: dict[str, Any] = {}
@@ -154,7 +166,7 @@ def settled(url: str, aborted_after: float | None = None, pools: tuple[str, ...]
         stats = {s["pool"]: s for s in replica_stats(url, settle_s=0.6, headers=headers)}
         idle = all(s["blocks_in_use"] == 0 and s["num_running"] == 0 and s["num_waiting"] == 0
                    and s.get("num_remote", 0) == 0 and s.get("leases", 0) == 0 for s in stats.values())
-        recorded = all(stats[p]["last_abort_at"] > (aborted_after or 0) for p in pools)
+        recorded = all(p in stats and stats[p]["last_abort_at"] > (aborted_after or 0) for p in pools)
         if (idle and recorded) or time.monotonic() > deadline:
             return stats
         time.sleep(0.2)

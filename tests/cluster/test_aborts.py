@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from serving import args_of, deploy, hang_up, open_stream, replica_stats, settled, wait_for_replica
+from serving import args_of, deploy, hang_up, open_stream, pool_stats, settled, wait_for_replica
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +33,7 @@ def url(serve_url):
 
 
 def test_hang_up_during_prefill_aborts_in_both_pools_within_1s(url):
-    before = {s["pool"]: s for s in replica_stats(url, settle_s=0.6)}
+    before = pool_stats(url, ("prefill", "decode"))
     conn = open_stream(url, LONG, 32)
     # the prompt (~3.3k tokens) takes seconds to prefill: hang up inside it
     wait_for_replica(url, lambda s: s["pool"] == "prefill" and s["queued_prompt_tokens"] > 0, 30, "the prefill")

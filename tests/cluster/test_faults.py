@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from serving import (APP, apply_config, chat_in_background, client, http_request, load_config, replica_stats,
-                     running_replicas, wait_for, wait_for_replica)
+from serving import (APP, apply_config, chat_in_background, client, http_request, load_config, pool_stats,
+                     replica_stats, running_replicas, wait_for, wait_for_replica)
 
 pytestmark = pytest.mark.slow
 
@@ -195,10 +195,8 @@ def test_decode_replica_killed_after_prefill_the_prefill_blocks_return_within_th
                                "a decode replica to reserve the prompt")
     os.kill(waiting["pid"], signal.SIGKILL)
 
-    def prefill() -> dict:  # {} while the prefill replica's periodic post is not in yet
-        found = [s for s in replica_stats(serve_url, settle_s=0.5) if s["pool"] == "prefill"]
-        assert len(found) <= 1, found
-        return found[0] if found else {}
+    def prefill() -> dict:
+        return pool_stats(serve_url, ("prefill",))["prefill"]
 
     # the prefill finishes (however long this machine takes for the long prompt), its lease
     # starts, and the dead replica never acknowledges: the lease frees the prompt's blocks
@@ -215,7 +213,7 @@ def test_decode_replica_killed_after_prefill_the_prefill_blocks_return_within_th
     assert time.monotonic() - seen["lease"] < 3 + 5  # the lease (3 s), the reaper's period, the stats' lag
     worker.join(timeout=120)
     assert result.get("finish") == "length", result  # the stream moved to the other decode replica
-    wait_for(lambda: (lambda p: p.get("blocks_in_use") == 0 and p.get("leases") == 0)(prefill()), 30,
+    wait_for(lambda: (lambda p: p["blocks_in_use"] == 0 and p["leases"] == 0)(prefill()), 30,
              "the prefill replica to hold no blocks and no leases")
 
 
