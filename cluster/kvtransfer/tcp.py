@@ -5,12 +5,13 @@
                    ◀── one reply per message (msgpack {"ok": bool, "kind": str, "error": str})
 
 The checksum trails the payload: the sender hands the payload to libzmq's I/O thread first and
-computes the checksum while it is on the wire (wire.py says what that saves). The decode side listens on `host:port` (loopback and a free port by
-default) and advertises the address in `receiver_info`. Its listener thread checks every header
-before keeping a payload, and keeps a trailer only for a payload it kept; `receive` verifies
-the checksum. Bounds: libzmq drops any frame over `max_payload_bytes` (ZMQ_MAXMSGSIZE) before
-allocating it and closes that connection; the sender sees a typed timeout. Senders use
-ZMQ_IMMEDIATE, so an unreachable peer is a KVPeerGoneError, not a queued message.
+computes the checksum while it is on the wire (wire.py says what that saves). The decode side
+listens on `host:port` (loopback and a free port by default) and advertises the address in
+`receiver_info`. Its listener thread checks every header before keeping a payload, and keeps
+a trailer only for a payload it kept; `receive` verifies the checksum. Bounds: libzmq drops
+any frame over `max_payload_bytes` (ZMQ_MAXMSGSIZE) before allocating it and closes that
+connection; the sender sees a typed timeout. Senders use ZMQ_IMMEDIATE, so an unreachable
+peer is a KVPeerGoneError, not a queued message.
 """
 
 from __future__ import annotations

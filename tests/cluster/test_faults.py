@@ -213,8 +213,11 @@ def test_decode_replica_killed_after_prefill_the_prefill_blocks_return_within_th
     assert time.monotonic() - seen["lease"] < 3 + 5  # the lease (3 s), the reaper's period, the stats' lag
     worker.join(timeout=120)
     assert result.get("finish") == "length", result  # the stream moved to the other decode replica
-    wait_for(lambda: (lambda p: p["blocks_in_use"] == 0 and p["leases"] == 0)(prefill()), 30,
-             "the prefill replica to hold no blocks and no leases")
+    def idle() -> bool:
+        p = prefill()
+        return p["blocks_in_use"] == 0 and p["leases"] == 0
+
+    wait_for(idle, 30, "the prefill replica to hold no blocks and no leases")
 
 
 def test_prefill_dies_after_putting_the_kv_the_failure_policy_recomputes(serve_url):
