@@ -6,12 +6,17 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedConfig
 
 
 class Tokenizer:
     def __init__(self, model_path: str | Path) -> None:
-        self.hf = AutoTokenizer.from_pretrained(str(model_path))
+        # AutoTokenizer reads config.json only for its model_type (and tokenizer_class). Left to
+        # itself it builds the model's own config class, whose import chain costs ~2 s of CPU in
+        # every replica; the plain config object carries the same fields.
+        config = PreTrainedConfig.from_dict(json.loads((Path(model_path) / "config.json").read_text()))
+        config._name_or_path = str(model_path)
+        self.hf = AutoTokenizer.from_pretrained(str(model_path), config=config)
         self.eos_token_ids = frozenset(self._eos_ids(Path(model_path)))
 
     def _eos_ids(self, folder: Path) -> set[int]:
