@@ -101,7 +101,8 @@ class RouterDeployment:
         configure_trace_logging()
         self._poster: asyncio.Task | None = None
         self.pools = ("DecodePool",) if self.config.mode == "colocated" else ("DecodePool", "PrefillPool")
-        self.running: dict[str, int] | None = None  # RUNNING replicas per pool, as Serve reports them
+        # per pool, replicas taking calls: RUNNING, or RECOVERING (a restarted controller re-adopting them)
+        self.running: dict[str, int] | None = None
         self._watcher: asyncio.Task | None = None
 
     async def _generate(self, request_id: str, prompt_ids: list[int],
@@ -265,15 +266,14 @@ class RouterDeployment:
                 post_forever(self.app_name, self.replica_id, lambda: self._stats(new_traces=True)))
 
     async def _empty_pool(self) -> str | None:
-        """A pool with no RUNNING replica (as of the last look, at most POOL_WATCH_PERIOD_S old)."""
+        """A pool with no replica taking calls (as of the last look, at most POOL_WATCH_PERIOD_S old)."""
         if self._watcher is None or self._watcher.done():
             if self.running is None:
                 await self._look_at_pools()
             self._watcher = asyncio.get_running_loop().create_task(self._watch_pools())
-        running = self.running
-        if running is None:  # the controller did not answer: let the request through
+        if self.running is None:  # the controller did not answer: let the request through
             return None
-        return next((p for p in self.pools if running.get(p, 0) == 0), None)
+        return next((p for p in self.pools if self.running.get(p, 0) == 0), None)
 
     async def _watch_pools(self) -> None:
         while True:
@@ -282,10 +282,10 @@ class RouterDeployment:
 
     async def _look_at_pools(self) -> None:
         try:
-            status = await asyncio.to_thread(serve.status)
-            app = status.applications.get(self.app_name)
+            app = (await asyncio.to_thread(serve.status)).applications.get(self.app_name)
             if app is not None:
-                self.running = {name: d.replica_states.get("RUNNING", 0) for name, d in app.deployments.items()}
+                self.running = {n: sum(d.replica_states.get(s, 0) for s in ("RUNNING", "RECOVERING"))
+                                for n, d in app.deployments.items()}
         except Exception:  # the controller restarting: keep the last view
             pass
 

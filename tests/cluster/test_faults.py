@@ -1,12 +1,17 @@
-"""Replicas that fail (reliability faults 2 and 10), on a local Ray with real processes:
+"""Replicas that fail (reliability faults 1-4, 10, 15 and 16 of research/ecosystem-reliability.md),
+on a local Ray with real processes:
   - a prefill replica SIGKILLed before its hand-off: the request is retried on another prefill
     replica and completes; with no prefill replica at all, a fast 503 with Retry-After
   - a decode engine that wedges (its step loop stops) fails Serve's health check and the
     replica is replaced; a decode pool whose constructor fails makes the router answer 503
+  - a router replica SIGKILLed mid-stream, and the Serve controller killed: serving goes on
+  - a decode replica SIGKILLed mid-stream (the stream moves) or after the prefill (the lease
+    frees the prefill's blocks); a prefill replica dead before its KV is fetched (recompute)
 Apps are deployed as `serve deploy` deploys them (apply_serve_config), pool options from YAML."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -15,8 +20,8 @@ import time
 
 import pytest
 
-from serving import (APP, apply_config, chat_in_background, client, http_request, load_config, pool_stats,
-                     replica_stats, running_replicas, wait_for, wait_for_replica)
+from serving import (APP, SteadyStream, apply_config, chat_in_background, client, http_request, load_config,
+                     open_stream, pool_stats, replica_stats, running_replicas, settled, wait_for, wait_for_replica)
 
 pytestmark = pytest.mark.slow
 
@@ -24,8 +29,8 @@ LONG = "Summarize these notes: " + " ".join(f"item{i} is filed under shelf {i % 
 
 
 def config(args: dict, prefill: int | None, decode: int = 1, prefill_resources: dict | None = None,
-           **decode_options) -> dict:
-    deployments = [{"name": "Router", "num_replicas": 1, "ray_actor_options": {"num_cpus": 0}},
+           routers: int = 1, **decode_options) -> dict:
+    deployments = [{"name": "Router", "num_replicas": routers, "ray_actor_options": {"num_cpus": 0}},
                    {"name": "DecodePool", "num_replicas": decode, "ray_actor_options": {"num_cpus": 0.5},
                     **decode_options}]
     if prefill is not None:
@@ -114,6 +119,58 @@ def test_decode_pool_whose_constructor_fails_gets_503_not_a_hang(serve_url, tiny
     assert status == 503 and headers.get("retry-after") == "1", (status, body)
     assert "DecodePool" in body["error"]["message"] and time.monotonic() - start < 3.0
     serve.delete(APP)
+
+
+def router_pids() -> list[int]:
+    import ray
+
+    return [a["Pid"] for a in ray._private.state.actors().values()
+            if a["ActorClassName"] == f"ServeReplica:{APP}:Router" and a["State"] == "ALIVE"]
+
+
+def test_router_replica_or_serve_controller_killed_serving_goes_on(serve_url, tiny_model_paths):
+    """A router replica SIGKILLed mid-stream: that client's connection is cut (never a clean
+    finish), the decode replica aborts the request at once, every request sent afterwards is
+    served by the other router replica, and the dead one is replaced. Then the Serve controller
+    killed: while it restarts and re-adopts the replicas, every request still succeeds (the
+    router must not read "RECOVERING" replicas as an empty pool)."""
+    import ray
+    from ray import serve
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    args = {"model": str(tiny_model_paths["llama"]), "served_model_name": "tiny", "engine": {"num_blocks": 128},
+            "kv_transfer": {"connector": "tcp"}}
+    cfg = config(args, prefill=1)
+    fresh(cfg, {"Router": 1, "DecodePool": 1, "PrefillPool": 1})
+    (first,) = router_pids()
+    serve.get_deployment_handle("DecodePool", APP).inject_fault.remote("slow_steps").result(timeout_s=10)
+    conn = open_stream(serve_url, "Tell me a story.", 900, model="tiny")  # through the only router
+    cut = conn.getresponse()
+    assert cut.status == 200 and cut.readline().startswith(b"data: {")
+    cfg["applications"][0]["deployments"][0]["num_replicas"] = 2
+    apply_config(cfg)
+    wait_for(lambda: running_replicas().get("Router") == 2, 120, "a second router replica")
+
+    killed_at = time.time()
+    os.kill(first, signal.SIGKILL)
+    with pytest.raises(http.client.IncompleteRead) as partial:
+        cut.read()
+    assert b"[DONE]" not in partial.value.partial and b'"finish_reason": "' not in partial.value.partial
+    with SteadyStream(serve_url, "tiny") as load:
+        aborted = wait_for_replica(serve_url, lambda s: s["pool"] == "decode" and s["last_abort_at"] > killed_at,
+                                   15, "the decode replica to abort the cut stream")
+        assert aborted["last_abort_at"] - killed_at < 1.0
+        wait_for(lambda: len(router_pids()) == 2 and first not in router_pids(), 120, "the dead router replaced")
+
+        t_controller = time.monotonic()
+        ray.kill(ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE), no_restart=False)
+        wait_for(lambda: load.completed_since(t_controller + 5) >= 3, 120, "requests well after the restart")
+    assert not load.failures, load.failures
+    assert load.completed_since(t_controller) >= 6
+    wait_for(lambda: running_replicas() == {"Router": 2, "DecodePool": 1, "PrefillPool": 1}, 60,
+             "the restarted controller to report every replica running")
+    for s in settled(serve_url).values():
+        assert s["blocks_in_use"] == 0 and s["num_running"] == 0 and s.get("leases", 0) == 0, s
 
 
 def stream_text(url: str, content: str, max_tokens: int, on_chunk=None) -> tuple[str, str | None, dict | None]:

@@ -6,17 +6,13 @@ config, pool sizes and actor options from YAML, handed to the Serve controller."
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 
-from serving import APP, apply_config, client, load_config, replica_stats, running_replicas, wait_for
+from serving import APP, SteadyStream, apply_config, client, load_config, replica_stats, running_replicas, wait_for
 
 pytestmark = pytest.mark.slow
-
-PROMPTS = ["Name a fruit.", "What is 2 + 2?", "Say hello in French.", "Name a planet.", "What color is the sky?"]
-
 
 def sized(prefill: int, decode: int) -> dict:
     """configs/serve.yaml with these pool sizes, each pool replica on half a core (3 fit on 2 CPUs)."""
@@ -28,51 +24,6 @@ def sized(prefill: int, decode: int) -> dict:
             d["num_replicas"] = prefill if d["name"] == "PrefillPool" else decode
             d["ray_actor_options"] = {"num_cpus": 0.5}
     return config
-
-
-class SteadyStream:
-    """`workers` clients, each sending one streamed chat completion after another until stopped;
-    every outcome is kept: (finish time, finish_reason or the exception's text, content)."""
-
-    def __init__(self, url: str, model: str, workers: int = 2) -> None:
-        self.client, self.model = client(url), model
-        self.outcomes: list[tuple[float, str, str]] = []
-        self.failures: list[str] = []
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(workers)]
-
-    def __enter__(self) -> "SteadyStream":
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=120)
-
-    def completed_since(self, t0: float) -> int:
-        return sum(1 for t, finish, _ in list(self.outcomes) if t >= t0 and finish in ("stop", "length"))
-
-    def _loop(self, worker: int) -> None:
-        i = worker
-        while not self._stop.is_set():
-            prompt = PROMPTS[i % len(PROMPTS)]
-            i += 2
-            try:
-                parts, finish = [], None
-                for chunk in self.client.chat.completions.create(
-                        model=self.model, messages=[{"role": "user", "content": prompt}], temperature=0,
-                        max_tokens=12, stream=True):
-                    if chunk.choices:
-                        parts.append(chunk.choices[0].delta.content or "")
-                        finish = chunk.choices[0].finish_reason or finish
-                outcome = (time.monotonic(), str(finish), "".join(parts))
-            except Exception as exc:  # a failed request: exactly what this test must not see
-                outcome = (time.monotonic(), f"{type(exc).__name__}: {exc}", "")
-            self.outcomes.append(outcome)
-            if outcome[1] not in ("stop", "length") or not outcome[2]:
-                self.failures.append(f"{prompt!r}: {outcome[1]} {outcome[2]!r}")
 
 
 def pools_are(prefill: int, decode: int):
