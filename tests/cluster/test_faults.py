@@ -1,4 +1,4 @@
-"""Replicas that fail (reliability faults 1-4, 10, 15 and 16 of research/ecosystem-reliability.md),
+"""Replicas that fail (reliability faults 1-4, 10, 15, 16 and 18 of research/ecosystem-reliability.md),
 on a local Ray with real processes:
   - a prefill replica SIGKILLed before its hand-off: the request is retried on another prefill
     replica and completes; with no prefill replica at all, a fast 503 with Retry-After
@@ -6,7 +6,8 @@ on a local Ray with real processes:
     replica is replaced; a decode pool whose constructor fails makes the router answer 503
   - a router replica SIGKILLed mid-stream, and the Serve controller killed: serving goes on
   - a decode replica SIGKILLed mid-stream (the stream moves) or after the prefill (the lease
-    frees the prefill's blocks); a prefill replica dead before its KV is fetched (recompute)
+    frees the prefill's blocks), or stopped past the lease and resumed (late ack counted); a
+    prefill replica dead before its KV is fetched (recompute)
 Apps are deployed as `serve deploy` deploys them (apply_serve_config), pool options from YAML."""
 
 from __future__ import annotations
@@ -171,6 +172,43 @@ def test_router_replica_or_serve_controller_killed_serving_goes_on(serve_url, ti
              "the restarted controller to report every replica running")
     for s in settled(serve_url).values():
         assert s["blocks_in_use"] == 0 and s["num_running"] == 0 and s.get("leases", 0) == 0, s
+
+
+def test_decode_replica_stopped_past_the_lease_then_resumed_finishes_and_its_late_ack_is_counted(
+        serve_url, tiny_model_paths):
+    """SIGSTOP the decode replica once the prefill replica holds R's lease, SIGCONT it after the
+    lease expired: the prefill side freed R's blocks on time and counts the late ack as late, the
+    resumed decode replica finishes R with the same greedy text, and nobody crashed."""
+    from ray import serve
+
+    args = {"model": str(tiny_model_paths["llama"]), "served_model_name": "tiny", "engine": {"num_blocks": 128},
+            "kv_transfer": {"connector": "shared_store", "lease_s": 1}}
+    fresh(config(args, prefill=1), {"Router": 1, "DecodePool": 1, "PrefillPool": 1})
+    body = {"model": "tiny", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Tell me a story."}]}
+    expected = post_chat(serve_url, body)[2]["choices"][0]["message"]["content"]
+    before = pool_stats(serve_url, ("prefill", "decode"))
+    serve.get_deployment_handle("DecodePool", APP).inject_fault.remote("delay_fetch").result(timeout_s=10)
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(zip(("status", "headers", "body"), post_chat(serve_url, body))))
+    worker.start()
+    wait_for_replica(serve_url, lambda s: s["pool"] == "prefill" and (s.get("leases", 0) or s.get("lease_expired", 0)),
+                     30, "R's lease")  # (a slow posting may first show it expired: decode waits 1.5 s)
+    os.kill(before["decode"]["pid"], signal.SIGSTOP)
+    try:
+        wait_for_replica(serve_url, lambda s: s["pool"] == "prefill" and s.get("lease_expired", 0) == 1
+                         and s["blocks_in_use"] == 0, 15, "the lease to expire while decode is stopped")
+        time.sleep(2)
+    finally:
+        os.kill(before["decode"]["pid"], signal.SIGCONT)
+    worker.join(timeout=60)
+    assert result["status"] == 200 and result["body"]["choices"][0]["message"]["content"] == expected, result
+    after = settled(serve_url)
+    assert after["prefill"]["late_acks"] == 1 and after["prefill"]["lease_expired"] == 1
+    for pool in ("prefill", "decode"):
+        s = after[pool]
+        assert s["pid"] == before[pool]["pid"] and s["blocks_in_use"] == 0 and s.get("leases", 0) == 0, s
+    assert post_chat(serve_url, body)[0] == 200
 
 
 def stream_text(url: str, content: str, max_tokens: int, on_chunk=None) -> tuple[str, str | None, dict | None]:
