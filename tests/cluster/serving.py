@@ -213,7 +213,7 @@ class SteadyStream:
                         parts.append(chunk.choices[0].delta.content or "")
                         finish = chunk.choices[0].finish_reason or finish
                 outcome = (time.monotonic(), str(finish), "".join(parts))
-            except Exception as exc:  # a failed request: exactly what this test must not see
+            except Exception as exc:  # a failed request: what every test using this must not see
                 outcome = (time.monotonic(), f"{type(exc).__name__}: {exc}", "")
             self.outcomes.append(outcome)
             if outcome[1] not in ("stop", "length") or not outcome[2]:

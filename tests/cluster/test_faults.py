@@ -213,9 +213,6 @@ def test_decode_replica_stopped_past_the_lease_then_resumed_finishes_and_its_lat
 
 def stream_text(url: str, content: str, max_tokens: int, on_chunk=None) -> tuple[str, str | None, dict | None]:
     """Stream a greedy chat completion over raw HTTP: (text, finish_reason, error object)."""
-    import http.client
-    import json
-
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=120)
     body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": content}],
