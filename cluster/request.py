@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from cluster.engine.json_mode import JsonConstraint
 from cluster.sampling_params import SamplingParams
 
 
@@ -62,6 +63,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    constraint: JsonConstraint | None = None  # JSON mode: the sampler keeps the output valid JSON
 
     def __post_init__(self) -> None:
         if self.ready_at < 0:

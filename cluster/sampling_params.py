@@ -21,7 +21,10 @@ class SamplingParams:
     logprob plus the top-k alternatives (k may be 0). Stop strings are matched across
     token boundaries and are not included in the output text. `logit_bias` adds a bias in
     [-100, 100] to the logits of the token ids it names before sampling (-100 bans a token in
-    practice, 100 all but forces it), as OpenAI's `logit_bias`.
+    practice, 100 all but forces it), as OpenAI's `logit_bias`. `json_object` constrains the
+    output to one JSON object (OpenAI's `response_format: {"type": "json_object"}`; see
+    engine/json_mode.py); `prior_output_tokens` says how many of the prompt's last tokens are
+    the request's own earlier output (a migrated request), which JSON mode continues from.
     """
 
     n: int = 1
@@ -41,6 +44,8 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids unique
+    json_object: bool = False
+    prior_output_tokens: int = 0
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -103,6 +108,8 @@ class SamplingParams:
             if (not isinstance(bias, (int, float)) or isinstance(bias, bool) or not math.isfinite(bias)
                     or abs(bias) > MAX_ABS_LOGIT_BIAS):
                 raise bad(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {token}")
+        if not isinstance(self.prior_output_tokens, int) or self.prior_output_tokens < 0:
+            raise bad(f"prior_output_tokens must be an integer >= 0, got {self.prior_output_tokens!r}")
         if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
             raise bad("logit_bias names a token id more than once")
 

@@ -19,6 +19,7 @@ import torch
 from cluster.config import EngineConfig
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.detokenizer import IncrementalDetokenizer
+from cluster.engine.json_mode import JsonConstraint
 from cluster.engine.model_runner import ModelRunner
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.tokenizer import Tokenizer
@@ -192,7 +193,12 @@ class LLMEngine:
     # -- helpers -------------------------------------------------------------------
     def _new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                      prefill_only: bool) -> Request:
-        return Request(request_id, prompt_ids, params, self.max_model_len, self.eos_token_ids, prefill_only)
+        req = Request(request_id, prompt_ids, params, self.max_model_len, self.eos_token_ids, prefill_only)
+        if params.json_object:
+            prior = prompt_ids[-params.prior_output_tokens:] if params.prior_output_tokens else []
+            req.constraint = JsonConstraint(self.tokenizer.token_table, self.eos_token_ids | set(params.stop_token_ids),
+                                            replay=prior)
+        return req
 
     def _track(self, req: Request, prompt: str | None) -> None:
         self._detok[req.request_id] = IncrementalDetokenizer(

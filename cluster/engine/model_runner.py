@@ -69,6 +69,7 @@ class ModelRunner:
             [r.prompt_token_ids for r in reqs],
             [r.output_token_ids for r in reqs],
             eos_token_ids,
+            [r.constraint for r in reqs],
         )
         sampled = {r.request_id: t for r, t in zip(reqs, result.token_ids)}
         logprobs = {r.request_id: lp for r, lp in zip(reqs, result.logprobs) if lp is not None}

@@ -1,5 +1,5 @@
-"""Logits → next tokens: min_tokens, logit bias, penalties, temperature, top-k/top-p/min-p,
-seeded sampling."""
+"""Logits → next tokens: min_tokens, logit bias, penalties, JSON mode, temperature,
+top-k/top-p/min-p, seeded sampling."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 
+from cluster.engine.json_mode import JsonConstraint
 from cluster.outputs import Logprob
 from cluster.sampling_params import SamplingParams
 
@@ -15,6 +16,7 @@ __all__ = ["Logprob", "SampleResult", "sample"]
 
 _NEG_INF = float("-inf")
 _TOP_P_CANDIDATES = (256, 4096)  # then a full sort
+_JSON_CANDIDATES = (256, 4096)  # then the whole vocabulary
 
 
 class SampleResult(NamedTuple):
@@ -25,13 +27,15 @@ class SampleResult(NamedTuple):
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            generators: Sequence[torch.Generator | None], prompt_ids: Sequence[Sequence[int]],
-           output_ids: Sequence[Sequence[int]], eos_token_ids: Collection[int]) -> SampleResult:
+           output_ids: Sequence[Sequence[int]], eos_token_ids: Collection[int],
+           constraints: Sequence[JsonConstraint | None] | None = None) -> SampleResult:
     """Pick one token per row of `logits` [B, V] (float32; left unmodified).
 
     Order, as in vLLM v1: logprobs from the raw logits; min_tokens masks EOS and stop_token_ids;
     logit_bias is added; repetition (prompt + output), frequency and presence (output)
-    penalties; then greedy argmax (temperature 0) or temperature → top-k → top-p → min-p →
-    sampling. A row's random draw
+    penalties; a JSON-mode row (`constraints[i]`) keeps only the tokens its JSON allows (see
+    `_apply_constraints`); then greedy argmax (temperature 0) or temperature → top-k → top-p →
+    min-p → sampling. A row's random draw
     comes from its own generator (None: torch's default), so a seeded row's token depends only
     on its logits and its generator state, never on the other rows.
     """
@@ -40,7 +44,9 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     blocked = _min_tokens_blocks(params, output_ids, eos_token_ids, vocab)
     biased = _logit_bias(params, vocab)
     penalty_rows = [i for i, p in enumerate(params) if p.needs_penalties]
-    if not (logprob_rows or blocked[0] or biased[0] or penalty_rows) and all(p.greedy for p in params):
+    json_rows = {i: c for i, c in enumerate(constraints or ()) if c is not None}
+    if (not (logprob_rows or blocked[0] or biased[0] or penalty_rows or json_rows)
+            and all(p.greedy for p in params)):
         return SampleResult(logits.argmax(dim=-1).tolist(), [None] * num_rows)
 
     raw_logprobs = torch.log_softmax(logits[_index(logprob_rows, logits)], dim=-1) if logprob_rows else None
@@ -51,6 +57,8 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         logits[_index(biased[0], logits), _index(biased[1], logits)] += torch.tensor(biased[2], dtype=logits.dtype)
     if penalty_rows:
         _apply_penalties(logits, penalty_rows, params, prompt_ids, output_ids)
+    if json_rows:
+        _apply_constraints(logits, json_rows, output_ids, params)
     tokens = _choose(logits, params, generators)
     logprobs = _collect_logprobs(raw_logprobs, logprob_rows, tokens, params)
     return SampleResult(tokens.tolist(), logprobs)
@@ -118,6 +126,62 @@ def _apply_penalties(logits: torch.Tensor, rows: list[int], params: Sequence[Sam
     presence = _column([p.presence_penalty for p in picked], sub)
     sub = sub - freq * counts - presence * (counts > 0).to(sub.dtype)
     logits[row_index] = sub
+
+
+def _apply_constraints(logits: torch.Tensor, constraints: dict[int, JsonConstraint],
+                       output_ids: Sequence[Sequence[int]], params: Sequence[SamplingParams]) -> None:
+    """Mask the JSON-mode rows of `logits` [B, V] in place (row → its constraint) to the tokens
+    that keep each output valid.
+
+    Candidates are tried in order of the row's logits (after bias and penalties): the 256 most
+    likely, then 4096, then all. The first batch holding an allowed token with a finite logit
+    decides: a greedy row keeps its best allowed token, a sampling row every allowed token of
+    that batch (so it samples among the allowed ones of the 256 most likely, when there are
+    any). A row with no allowed token at all is left as it is (a safety net: with byte-level
+    or byte-fallback tokens some token always continues the JSON, whitespace after it ends).
+    The first batch is ranked for all rows at once: one topk, then plain lists.
+    """
+    rows = list(constraints)
+    index = _index(rows, logits)
+    sub = logits[index]  # [R, V]
+    masked = torch.full_like(sub, _NEG_INF)
+    values, order = sub.topk(min(_JSON_CANDIDATES[0], sub.shape[1]), dim=-1)
+    keep_rows: list[int] = []
+    keep_cols: list[int] = []
+    for j, (i, top_values, top_ids) in enumerate(zip(rows, values.tolist(), order.tolist())):
+        constraint = constraints[i]
+        constraint.sync(output_ids[i])
+        keep = (_allowed(constraint, top_ids, top_values) or _allowed_beyond(sub[j], constraint, len(top_ids))
+                if constraint.active else [])
+        if not keep:
+            masked[j] = sub[j]
+            continue
+        keep = keep[:1] if params[i].greedy else keep
+        keep_rows.extend([j] * len(keep))
+        keep_cols.extend(keep)
+    kept_rows, kept_cols = _index(keep_rows, sub), _index(keep_cols, sub)
+    masked[kept_rows, kept_cols] = sub[kept_rows, kept_cols]
+    logits[index] = masked
+
+
+def _allowed(constraint: JsonConstraint, token_ids: list[int], values: list[float]) -> list[int]:
+    """The allowed tokens with a finite logit, in the order given."""
+    return [t for t, ok, v in zip(token_ids, constraint.allowed(token_ids), values) if ok and v > _NEG_INF]
+
+
+def _allowed_beyond(row: torch.Tensor, constraint: JsonConstraint, done: int) -> list[int]:
+    """The first wider batch of candidates (4096, then all) that holds an allowed token."""
+    vocab = row.shape[0]
+    for width in (*_JSON_CANDIDATES[1:], vocab):
+        width = min(width, vocab)
+        if width <= done:
+            continue
+        values, order = row.topk(width)
+        keep = _allowed(constraint, order[done:].tolist(), values[done:].tolist())
+        if keep:
+            return keep
+        done = width
+    return []
 
 
 # -- choosing tokens ------------------------------------------------------------------------

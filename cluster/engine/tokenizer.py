@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Sequence
 
 from transformers import AutoTokenizer, PreTrainedConfig
+
+from cluster.engine.json_mode import token_bytes
 
 
 class Tokenizer:
@@ -44,6 +47,11 @@ class Tokenizer:
     def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         """The chat template already writes the special tokens, so none are added on top."""
         return list(self.hf.encode(self.chat_prompt(messages), add_special_tokens=False))
+
+    @cached_property
+    def token_table(self) -> list[bytes | None]:
+        """Each token id's bytes (None: special tokens), for JSON mode; built on first use."""
+        return token_bytes(self.hf)
 
     @property
     def vocab_size(self) -> int:

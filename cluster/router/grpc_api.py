@@ -58,6 +58,8 @@ def request_body(req: pb.GenerateRequest) -> tuple[str, dict[str, Any]]:
         body["stop_token_ids"] = list(req.stop_token_ids)
     if req.logit_bias:
         body["logit_bias"] = {str(token): bias for token, bias in req.logit_bias.items()}
+    if req.json_object:
+        body["response_format"] = {"type": "json_object"}
     if which == "chat":
         body["messages"] = [{"role": m.role, "content": m.content} for m in req.chat.messages]
         if req.HasField("logprobs"):

@@ -4,14 +4,15 @@ on another decode replica from where the client is, with nothing lost or repeate
     stream(R) on a decode replica ──▶ deltas forwarded (their token ids remembered)
         replica lost mid-stream (and migrations left)
             ──▶ stream(R') on another replica: prompt = R's prompt + the tokens already sent,
-                max_tokens / min_tokens reduced by what was sent
+                max_tokens / min_tokens reduced by what was sent, JSON mode told
+                that those tokens are output (prior_output_tokens)
         no migrations left ──▶ the loss is raised (the OpenAI layer turns it into an error
                                chunk after the first byte, an HTTP error before it)
 
 What carries over exactly: the token sequence, so greedy requests continue exactly as they
-would have. What does not: a seeded sampler's random state (the continuation is a valid
-sample, not the same one), penalties' counts of the tokens sent before the move (they become
-prompt), and a stop string that straddles the move. Plain object: no Ray here; `is_lost`
+would have, and JSON mode's place in the object. What does not: a seeded sampler's random
+state (the continuation is a valid sample, not the same one), penalties' counts of the tokens
+sent before the move (they become prompt), and a stop string that straddles the move. Plain object: no Ray here; `is_lost`
 says which exceptions mean "the replica is gone".
 """
 
@@ -63,6 +64,7 @@ def _remaining(params: SamplingParams, sent: int) -> SamplingParams | None:
         params,
         max_tokens=None if params.max_tokens is None else params.max_tokens - sent,
         min_tokens=max(0, params.min_tokens - sent),
+        prior_output_tokens=sent,
     )
 
 

@@ -2,8 +2,9 @@
 
 Unknown fields are ignored, as OpenAI and vLLM do; fields that only Tandem's internals
 set (KV-transfer parameters and the like) are therefore never read from a client. Known
-OpenAI features this server does not implement (structured output, tool calls, `suffix`,
-`best_of`, `echo`) are refused with a 400 naming them, never silently dropped.
+OpenAI features this server does not implement (`json_schema` structured output, tool calls,
+`suffix`, `best_of`, `echo`) are refused with a 400 naming them, never silently dropped;
+`response_format: {"type": "json_object"}` is JSON mode (engine/json_mode.py).
 """
 
 from __future__ import annotations
@@ -111,6 +112,7 @@ class _Sampling(_Strict):
     skip_special_tokens: StrictBool = True
     user: str | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]] | None = None
+    response_format: dict[str, Any] | None = None
 
     @field_validator("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty")
@@ -131,6 +133,18 @@ class _Sampling(_Strict):
         if len({int(k) for k in v or {}}) != len(v or {}):
             raise ValueError("a token id is named more than once")
         return v
+
+    @property
+    def json_object(self) -> bool:
+        return (self.response_format or {}).get("type") == "json_object"
+
+    def check_response_format(self) -> None:
+        kind = (self.response_format or {}).get("type", "text")
+        if kind == "json_schema":
+            raise APIError(400, "response_format json_schema is not supported: use {\"type\": \"json_object\"} "
+                                "and describe the schema in the prompt", param="response_format")
+        if kind not in ("text", "json_object"):
+            raise APIError(400, "response_format type must be \"text\" or \"json_object\"", param="response_format")
 
     def logit_bias_ids(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
         """`logit_bias` as (token id, bias) pairs, every id inside the vocabulary."""
@@ -171,6 +185,7 @@ class _Sampling(_Strict):
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 logit_bias=logit_bias,
+                json_object=self.json_object,
             )
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
@@ -181,15 +196,12 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
 
     def check_supported(self) -> None:
-        if (self.response_format or {}).get("type", "text") != "text":
-            raise APIError(400, "response_format other than {\"type\": \"text\"} is not supported: this server "
-                                "has no structured output; ask for JSON in the prompt instead", param="response_format")
+        self.check_response_format()
         if (self.tools and self.tool_choice != "none") or self.functions:
             raise APIError(400, "tool calling is not supported by this server: send no `tools` "
                                 "(or tool_choice \"none\")", param="tools" if self.tools else "functions")
@@ -233,6 +245,7 @@ class CompletionRequest(_Sampling):
         return list(self.prompt)
 
     def check_supported(self) -> None:
+        self.check_response_format()
         if self.echo:
             raise APIError(400, "echo is not supported", param="echo")
         if self.suffix:

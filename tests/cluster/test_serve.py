@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import re
 
 import pytest
@@ -70,6 +71,12 @@ def test_disaggregated_app_end_to_end(serve_url):
     banned = c.completions.create(model=model, prompt="The capital of France is", temperature=0, max_tokens=4,
                                   logit_bias={str(paris[0]): -100})
     assert banned.choices[0].text and not banned.choices[0].text.startswith(" Paris")
+
+    cat = [{"role": "user", "content": "Give me a JSON object describing a cat with keys name, age and color."}]
+    as_json = c.chat.completions.create(model=model, messages=cat, temperature=0, max_tokens=80,
+                                        response_format={"type": "json_object"})
+    assert {"name", "age", "color"} <= json.loads(as_json.choices[0].message.content).keys()
+    assert as_json.choices[0].finish_reason == "stop"
 
     import openai
 

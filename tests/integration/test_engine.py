@@ -125,6 +125,27 @@ def test_prefix_cache_hit_gives_the_same_tokens_and_counts_hits(tiny_model_paths
     assert again.num_cached_tokens == 64 and again.outputs[0].token_ids == expected[0]
 
 
+@pytest.mark.slow
+def test_default_model_json_mode_answers_in_json_and_a_migrated_request_continues_the_object():
+    llm = LLM()
+    ask = [{"role": "user", "content": "Give me a JSON object describing a cat with keys name, age and color."}]
+    greedy = SamplingParams(temperature=0.0, max_tokens=80, json_object=True)
+    out = llm.chat(ask, greedy)[0]
+    assert out.outputs[0].finish_reason == "stop"
+    assert {"name", "age", "color"} <= json.loads(out.outputs[0].text).keys()
+
+    sampled = llm.chat([ask] * 3, [SamplingParams(temperature=0.8, seed=s, max_tokens=80, json_object=True)
+                                   for s in range(3)])
+    for o in sampled:
+        assert o.outputs[0].finish_reason == "stop" and isinstance(json.loads(o.outputs[0].text), dict)
+
+    # a request moved to another replica: the prompt now ends with the first k output tokens
+    ids, k = out.outputs[0].token_ids, 7
+    moved = SamplingParams(temperature=0.0, max_tokens=80 - k, json_object=True, prior_output_tokens=k)
+    rest = llm.generate([out.prompt_token_ids + ids[:k]], moved)[0].outputs[0].token_ids
+    assert ids[:k] + rest == ids
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_prefill_only_then_remote_admission_decodes_the_same_tokens(tiny_model_paths, kind):
     folder = str(tiny_model_paths[kind])

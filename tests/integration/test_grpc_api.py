@@ -142,6 +142,26 @@ def test_logit_bias_over_grpc_is_the_http_one(stack):
     assert choices(over_grpc)[0]["text"] == over_http["choices"][0]["text"]
 
 
+def test_json_mode_over_grpc_is_the_http_one_for_chat_and_text_prompts(stack):
+    server = stack["disagg"]
+    json_mode = {"response_format": {"type": "json_object"}}
+
+    async def go():
+        chat = (await collect(server, chat_request(temperature=0, max_tokens=12, json_object=True)),
+                await server.chat(chat_body(temperature=0, max_tokens=12, **json_mode)))
+        text = (await collect(server, pb.GenerateRequest(model=MODEL, text="The shelves hold", temperature=0,
+                                                         max_tokens=12, json_object=True)),
+                await server.completions({"model": MODEL, "prompt": "The shelves hold", "temperature": 0,
+                                          "max_tokens": 12, **json_mode}))
+        return chat, text
+
+    (chat_grpc, chat_http), (text_grpc, text_http) = run(go())
+    assert choices(chat_grpc)[0]["text"] == chat_http["choices"][0]["message"]["content"]
+    assert choices(text_grpc)[0]["text"] == text_http["choices"][0]["text"]
+    assert chat_http["choices"][0]["message"]["content"].lstrip().startswith("{")
+    assert text_http["choices"][0]["text"].lstrip().startswith("{")
+
+
 @pytest.mark.parametrize("req, body, kind, code", [
     (chat_request(logit_bias={-1: 1.0}), chat_body(logit_bias={"-1": 1.0}), "chat", grpc.StatusCode.INVALID_ARGUMENT),
     (chat_request(temperature=3.0), chat_body(temperature=3.0), "chat", grpc.StatusCode.INVALID_ARGUMENT),

@@ -211,7 +211,8 @@ def test_logit_bias_steers_the_first_token_in_both_pools(stack):
 
 
 @pytest.mark.parametrize("body,param", [
-    (chat(response_format={"type": "json_object"}), "response_format"),
+    (chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format"),
+    (chat(response_format={"type": "yaml"}), "response_format"),
     (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     (chat(logit_bias={"5000000": 1}), "logit_bias"),
     (chat(logit_bias={"1": 100.5}), "logit_bias.1"),
@@ -225,6 +226,19 @@ def test_features_this_server_lacks_are_refused_by_name(stack, body, param):
     with pytest.raises(APIError) as info:
         run(call(body))
     assert info.value.status == 400 and info.value.body()["error"]["param"] == param
+
+
+def test_json_mode_across_the_hand_off_equals_colocated_and_opens_an_object(stack):
+    body = chat(temperature=0, max_tokens=16, response_format={"type": "json_object"})
+
+    async def go():
+        return [await stack[name].chat(b) for name in ("disagg", "colocated")
+                for b in (body, {**body, "response_format": None})]
+
+    texts = [r["choices"][0]["message"]["content"] for r in run(go())]
+    disagg, disagg_plain, colocated, colocated_plain = texts
+    assert disagg == colocated and disagg_plain == colocated_plain
+    assert disagg.lstrip().startswith("{") and not disagg_plain.lstrip().startswith("{")
 
 
 def test_tools_with_tool_choice_none_and_text_response_format_are_plain_requests(stack):
