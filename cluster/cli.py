@@ -18,7 +18,8 @@ def _chat(args: argparse.Namespace) -> int:
     from cluster.sampling_params import SamplingParams
 
     llm = LLM(args.model, cache_dir=args.cache_dir, max_model_len=args.max_model_len)
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
+                            json_object=args.json)
     prompt = llm.engine.tokenizer.encode_chat([{"role": "user", "content": args.question}])
     for delta in llm.stream(prompt, params):
         sys.stdout.write(delta)
@@ -129,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.add_argument("--seed", type=int, default=None)
     chat.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    chat.add_argument("--json", action="store_true", help="JSON mode: the answer is one JSON object")
     chat.set_defaults(func=_chat)
 
     convert = sub.add_parser("convert-model", help="convert the default model into an HF folder (once)")

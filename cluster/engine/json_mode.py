@@ -10,13 +10,14 @@ Three pieces:
 - `JsonConstraint`: one request's recognizer, kept in step with its output tokens. The sampler
   asks it which of a few candidate tokens are allowed (see sampler.py for the order).
 
-What it guarantees: every output is a prefix of a JSON object, and EOS (or a stop_token_id) is
-allowed only once that object is complete, after which only whitespace or EOS may follow. A
-request cut by max_tokens ends with an incomplete object, finish_reason "length", as OpenAI's.
-Bounds keep a weak model from looping: at most 32 levels of nesting, 64 bytes per number and
-24 whitespace bytes in a row (after the object any number, so min_tokens can always be met).
-Strings are checked for escapes and control characters; their
-non-ASCII bytes are passed through (a tokenizer emits UTF-8 a byte-token at a time).
+What it guarantees: every output is a prefix of a JSON object, starting at its "{" (no
+whitespace before it: a weak model would spend its tokens there), and EOS (or a stop_token_id)
+is allowed only once that object is complete, after which only whitespace or EOS may follow.
+A request cut by max_tokens ends with an incomplete object, finish_reason "length", as
+OpenAI's. Bounds keep a weak model from looping: at most 32 levels of nesting, 64 bytes per
+number and 64 whitespace bytes in a row (after the object any number, so min_tokens can always
+be met). Strings are checked for escapes and control characters; their non-ASCII bytes are
+passed through (a tokenizer emits UTF-8 a byte-token at a time).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 
 MAX_DEPTH = 32
 MAX_NUMBER_BYTES = 64
-MAX_WHITESPACE_RUN = 24
+MAX_WHITESPACE_RUN = 64
 
 # modes
 _START, _OBJ_FIRST, _OBJ_KEY, _COLON, _VALUE, _ARR_FIRST, _AFTER, _DONE = range(8)
@@ -81,7 +82,7 @@ class JsonRecognizer:
                 mode, aux, run = _AFTER, None, 0  # the byte that ended the number is read below
             if mode in _STRUCTURAL:
                 if byte in _WS:
-                    if run >= MAX_WHITESPACE_RUN and mode != _DONE:
+                    if mode == _START or (run >= MAX_WHITESPACE_RUN and mode != _DONE):
                         return None
                     run += 1
                     continue

@@ -21,9 +21,9 @@ def test_chat_streams_the_default_models_answer(default_model_path):
 
 
 def test_chat_with_a_local_folder_and_a_missing_one(tiny_model_paths, tmp_path):
-    proc = tandem("chat", "Hi", "--model", str(tiny_model_paths["qwen2"]), "--max-tokens", "5")
+    proc = tandem("chat", "Hi", "--model", str(tiny_model_paths["qwen2"]), "--max-tokens", "5", "--json")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip()
+    assert proc.stdout.startswith("{")  # JSON mode, even from a random model
     missing = tandem("chat", "Hi", "--model", str(tmp_path / "nope"))
     assert missing.returncode == 2
     assert "tandem: error" in missing.stderr and "nope" in missing.stderr

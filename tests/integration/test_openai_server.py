@@ -238,7 +238,7 @@ def test_json_mode_across_the_hand_off_equals_colocated_and_opens_an_object(stac
     texts = [r["choices"][0]["message"]["content"] for r in run(go())]
     disagg, disagg_plain, colocated, colocated_plain = texts
     assert disagg == colocated and disagg_plain == colocated_plain
-    assert disagg.lstrip().startswith("{") and not disagg_plain.lstrip().startswith("{")
+    assert disagg.startswith("{") and not disagg_plain.startswith("{")
 
 
 def test_tools_with_tool_choice_none_and_text_response_format_are_plain_requests(stack):

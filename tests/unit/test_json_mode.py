@@ -67,13 +67,13 @@ def test_a_one_character_edit_is_complete_exactly_when_json_loads_reads_an_objec
 
 
 def test_what_no_json_object_can_start_or_contain_is_refused():
-    for text in ('[1]', '"a"', '1', 'x{', '{"a" 1', '{"a": 01', '{"a": 1.}', '{"a": tru}', '{"a": "x\ny"}',
+    for text in ('[1]', '"a"', '1', 'x{', ' {', '\n{', '{"a" 1', '{"a": 01', '{"a": 1.}', '{"a": tru}', '{"a": "x\ny"}',
                  '{,', '{"a": 1,}', '{"a": [1,]', '{"a": "\\x"', '{}}', '{"a": 1]', '{"a": .5', '{}x', "{'a': 1}"):
         assert not alive(text), text
     assert complete('{"a": [1, 2.5e-3, -0, true, false, null, "\\u00e9\\n"], "b": {"c": {}}}\n')
     assert alive('{"a": ' + "[" * (MAX_DEPTH - 1)) and not alive('{"a": ' + "[" * MAX_DEPTH)
     assert alive('{"a": ' + "9" * 64) and not alive('{"a": ' + "9" * 65)
-    assert not alive("{" + " " * 25) and alive("{}" + " " * 1000)  # whitespace runs end; after the object it may pad
+    assert alive("{" + " " * 64) and not alive("{" + " " * 65) and alive("{}" + " " * 1000)  # whitespace runs end; after the object it may pad
 
 
 def test_token_bytes_spell_out_what_the_tokenizer_encodes(default_model_path):
