@@ -44,9 +44,9 @@ _HEX = frozenset(b"0123456789abcdefABCDEF")
 _ESCAPES = frozenset(b'"\\/bfnrt')
 _LITERALS = {ord("t"): b"rue", ord("f"): b"alse", ord("n"): b"ull"}
 
-# (mode, stack of open containers as bytes, aux, run): aux is the string's key flag, the
-# number's sub-state, the literal's remaining bytes or the \\u digits left; run counts
-# whitespace in a row (structural modes) or the number's bytes
+# (mode, stack of open containers as bytes, aux, run): aux is the string's key flag (in an
+# escape too; after \\u: (key flag, hex digits left)), the number's sub-state or the literal's
+# remaining bytes; run counts whitespace in a row (structural modes) or the number's bytes
 State = tuple[int, bytes, Any, int]
 
 
