@@ -184,7 +184,7 @@ def _number_step(sub: int, byte: int) -> int | None:
 
 
 class JsonConstraint:
-    """One request's JSON-mode state. `sync` with its output tokens before each `allowed`.
+    """One request's JSON-mode state. `sync` with its output tokens before asking `allows`.
 
     `replay` output tokens that came before this engine saw the request (a migrated request's
     tail of the prompt) are consumed first. A token that cannot continue the JSON (only
@@ -208,12 +208,13 @@ class JsonConstraint:
         self._feed(output_ids[self.seen:])
         self.seen = len(output_ids)
 
-    def allowed(self, token_ids: Sequence[int]) -> list[bool]:
-        state = self.state
-        if state is None:
-            return [True] * len(token_ids)
-        complete = JsonRecognizer.is_complete(state)
-        return [complete if t in self.end_ids else self._next(state, t) is not None for t in token_ids]
+    def allows(self, token_id: int) -> bool:
+        """Whether `token_id` may come next (an ended constraint allows anything)."""
+        if self.state is None:
+            return True
+        if token_id in self.end_ids:
+            return JsonRecognizer.is_complete(self.state)
+        return self._next(self.state, token_id) is not None
 
     def _feed(self, token_ids: Sequence[int]) -> None:
         for t in token_ids:
@@ -232,12 +233,14 @@ class JsonConstraint:
 
 def token_bytes(tokenizer: Any) -> list[bytes | None]:
     """Each token id's bytes, None for special and added tokens (index = token id)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode  # byte-level BPE's alphabet
+
     vocab = len(tokenizer)
     pieces = tokenizer.convert_ids_to_tokens(list(range(vocab)))
     special = set(getattr(tokenizer, "added_tokens_decoder", {})) | set(tokenizer.all_special_ids)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     byte_level = backend is not None and type(backend.decoder).__name__ == "ByteLevel"
-    unicode_to_byte = {c: b for b, c in _bytes_to_unicode().items()}
+    unicode_to_byte = {c: b for b, c in bytes_to_unicode().items()}
     table: list[bytes | None] = []
     for token_id, piece in enumerate(pieces):
         if token_id in special or not piece:
@@ -251,12 +254,3 @@ def token_bytes(tokenizer: Any) -> list[bytes | None]:
             table.append(piece.replace("\u2581", " ").encode())
     return table
 
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """Byte-level BPE's alphabet: printable bytes stand for themselves, the other 68 bytes for
-    the code points from 256 up, in byte order."""
-    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    table = {b: chr(b) for b in printable}
-    for offset, b in enumerate(b for b in range(256) if b not in table):
-        table[b] = chr(256 + offset)
-    return table

@@ -151,12 +151,14 @@ def _apply_constraints(logits: torch.Tensor, constraints: dict[int, JsonConstrai
     for j, (i, top_values, top_ids) in enumerate(zip(rows, values.tolist(), order.tolist())):
         constraint = constraints[i]
         constraint.sync(output_ids[i])
-        keep = (_allowed(constraint, top_ids, top_values) or _allowed_beyond(sub[j], constraint, len(top_ids))
-                if constraint.active else [])
+        keep: list[int] = []
+        if constraint.active:
+            first_only = params[i].greedy
+            keep = (_allowed(constraint, top_ids, top_values, first_only)
+                    or _allowed_beyond(sub[j], constraint, len(top_ids), first_only))
         if not keep:
             masked[j] = sub[j]
             continue
-        keep = keep[:1] if params[i].greedy else keep
         keep_rows.extend([j] * len(keep))
         keep_cols.extend(keep)
     kept_rows, kept_cols = _index(keep_rows, sub), _index(keep_cols, sub)
@@ -164,12 +166,18 @@ def _apply_constraints(logits: torch.Tensor, constraints: dict[int, JsonConstrai
     logits[index] = masked
 
 
-def _allowed(constraint: JsonConstraint, token_ids: list[int], values: list[float]) -> list[int]:
-    """The allowed tokens with a finite logit, in the order given."""
-    return [t for t, ok, v in zip(token_ids, constraint.allowed(token_ids), values) if ok and v > _NEG_INF]
+def _allowed(constraint: JsonConstraint, token_ids: list[int], values: list[float], first_only: bool) -> list[int]:
+    """The allowed tokens with a finite logit, in the order given; only the first if `first_only`."""
+    keep = []
+    for t, v in zip(token_ids, values):
+        if v > _NEG_INF and constraint.allows(t):
+            keep.append(t)
+            if first_only:
+                break
+    return keep
 
 
-def _allowed_beyond(row: torch.Tensor, constraint: JsonConstraint, done: int) -> list[int]:
+def _allowed_beyond(row: torch.Tensor, constraint: JsonConstraint, done: int, first_only: bool) -> list[int]:
     """The first wider batch of candidates (4096, then all) that holds an allowed token."""
     vocab = row.shape[0]
     for width in (*_JSON_CANDIDATES[1:], vocab):
@@ -177,7 +185,7 @@ def _allowed_beyond(row: torch.Tensor, constraint: JsonConstraint, done: int) ->
         if width <= done:
             continue
         values, order = row.topk(width)
-        keep = _allowed(constraint, order[done:].tolist(), values[done:].tolist())
+        keep = _allowed(constraint, order[done:].tolist(), values[done:].tolist(), first_only)
         if keep:
             return keep
         done = width

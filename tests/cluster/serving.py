@@ -203,7 +203,7 @@ class SteadyStream:
         i = worker
         while not self._stop.is_set():
             prompt = STEADY_PROMPTS[i % len(STEADY_PROMPTS)]
-            i += 2
+            i += len(self._threads)
             try:
                 parts, finish = [], None
                 for chunk in self.client.chat.completions.create(
