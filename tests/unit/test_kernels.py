@@ -48,7 +48,7 @@ def test_store_kv_matches_reference(dtype, num_tokens, block_size, heads, dim):
 def test_store_kv_accepts_strided_key_views():
     """The model passes k/v as views into a fused qkv projection: rows are strided."""
     gen = torch.Generator().manual_seed(0)
-    qkv = torch.randn(5, 3, 2, 8, generator=gen, device=DEVICE)
+    qkv = torch.randn(5, 3, 2, 8, generator=gen).to(DEVICE)
     key, value = qkv[:, 1], qkv[:, 2]
     k_ref = torch.zeros(4, 4, 2, 8, device=DEVICE)
     v_ref = torch.zeros_like(k_ref)
