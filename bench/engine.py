@@ -1,7 +1,7 @@
 """Engine throughput on the default model: Tandem vs HF transformers `generate`, one JSON line.
 
     python bench/engine.py [--threads 1] [--new-tokens 64] [--repeats 3] [--skip-hf]
-                           [--malloc-hugetlb 1]
+                           [--malloc-hugetlb 1] [--device auto] [--dtype auto] [--streams 16]
 
 Both engines run with GLIBC_TUNABLES=glibc.malloc.hugetlb=1, as configs/ deploy the pools (the
 script runs itself again with it: glibc reads it at start); --malloc-hugetlb 0 for glibc's default.
@@ -9,7 +9,11 @@ script runs itself again with it: glibc reads it at start); --malloc-hugetlb 0 f
 Figures (median of --repeats):
   prefill_tok_s          prompt tokens / time to first token, one ~100-token prompt
   single_stream_ms_token decode time per token of one request (after its first token)
-  stream16_tok_s         decode tokens / s with 16 concurrent requests (after all first tokens)
+  stream{N}_tok_s        decode tokens / s with N concurrent requests (after all first tokens),
+                         for each N of --streams (default 16)
+
+--device/--dtype as the engine takes them (auto: CUDA and bf16 where there is a GPU); HF runs
+on the same device in the same dtype. The targets are the CPU issue's, for --device cpu.
 """
 
 from __future__ import annotations
@@ -42,7 +46,9 @@ def prompts_for(tokenizer, n: int, length: int) -> list[list[int]]:
 def bench_tandem(args, prompt_len: int) -> dict:
     from cluster import LLM, SamplingParams
 
-    llm = LLM(enable_prefix_caching=False, max_num_seqs=16, max_num_batched_tokens=2048)
+    llm = LLM(enable_prefix_caching=False, max_num_seqs=max(args.streams),
+              max_num_batched_tokens=max(2048, 32 * max(args.streams)), device=args.device,
+              dtype=args.dtype, num_blocks=args.num_blocks)
     engine = llm.engine
     tok = engine.tokenizer
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
@@ -62,51 +68,59 @@ def bench_tandem(args, prompt_len: int) -> dict:
         return t1 - t0, time.perf_counter() - t1, tokens
 
     run(prompts_for(tok, 1, prompt_len))  # warm-up
-    prefill, single, multi = [], [], []
+    prefill, single, multi = [], [], {s: [] for s in args.streams}
     for r in range(args.repeats):
         ttft, dec, n = run(prompts_for(tok, 1, prompt_len))
         prefill.append(prompt_len / ttft)
         single.append(dec / n * 1000)
-        _, dec, n = run(prompts_for(tok, 16, 32))
-        multi.append(n / dec)
+        for streams in args.streams:
+            _, dec, n = run(prompts_for(tok, streams, 32))
+            multi[streams].append(n / dec)
     return _summary(prefill, single, multi)
 
 
 def bench_hf(args, model_path, prompt_len: int) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from cluster.engine.model_runner import pick_device, pick_dtype
+
+    device = pick_device(args.device)
     tok = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=pick_dtype(args.dtype, device)).to(device).eval()
 
     def generate(prompts: list[list[int]], new_tokens: int) -> float:
-        ids = torch.tensor(prompts)
+        ids = torch.tensor(prompts, device=device)
         t0 = time.perf_counter()
         with torch.inference_mode():
             model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                            max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                            pad_token_id=tok.eos_token_id)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         return time.perf_counter() - t0
 
     generate(prompts_for(tok, 1, prompt_len), 2)  # warm-up
-    prefill, single, multi = [], [], []
+    prefill, single, multi = [], [], {s: [] for s in args.streams}
     for _ in range(args.repeats):
         p = prompts_for(tok, 1, prompt_len)
         ttft = generate(p, 1)
         prefill.append(prompt_len / ttft)
         total = generate(p, args.new_tokens)
         single.append((total - ttft) / (args.new_tokens - 1) * 1000)
-        p16 = prompts_for(tok, 16, 32)
-        first16 = generate(p16, 1)
-        total16 = generate(p16, args.new_tokens)
-        multi.append(16 * (args.new_tokens - 1) / (total16 - first16))
+        for streams in args.streams:
+            batch = prompts_for(tok, streams, 32)
+            first = generate(batch, 1)
+            total = generate(batch, args.new_tokens)
+            multi[streams].append(streams * (args.new_tokens - 1) / (total - first))
     return _summary(prefill, single, multi)
 
 
-def _summary(prefill: list[float], single: list[float], multi: list[float]) -> dict:
+def _summary(prefill: list[float], single: list[float], multi: dict[int, list[float]]) -> dict:
     return {
         "prefill_tok_s": round(statistics.median(prefill), 1),
         "single_stream_ms_token": round(statistics.median(single), 2),
-        "stream16_tok_s": round(statistics.median(multi), 1),
+        **{f"stream{s}_tok_s": round(statistics.median(v), 1) for s, v in multi.items()},
     }
 
 
@@ -118,6 +132,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--malloc-hugetlb", type=int, choices=(0, 1), default=1)
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda[:N]")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    parser.add_argument("--streams", type=lambda v: [int(x) for x in v.split(",")], default=[16],
+                        help="comma-separated concurrencies for the stream{N}_tok_s figures")
+    parser.add_argument("--num-blocks", type=int, default=None,
+                        help="KV blocks (default: the engine's sizing)")
     args = parser.parse_args()
     want = "glibc.malloc.hugetlb=1" if args.malloc_hugetlb else None
     if os.environ.get("GLIBC_TUNABLES") != want:
@@ -134,6 +154,8 @@ def main() -> None:
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "torch": torch.__version__,
         "threads": args.threads,
+        "device": str(_device_name(args.device)),
+        "dtype": args.dtype,
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
         "prompt_tokens": args.prompt_tokens,
         "new_tokens": args.new_tokens,
@@ -145,6 +167,13 @@ def main() -> None:
     result["targets"] = {"single_stream_ms_token_max": 40, "prefill_tok_s_min": 105,
                          "stream16_tok_s_min": 75}
     print(json.dumps(result))
+
+
+def _device_name(name: str) -> str:
+    from cluster.engine.model_runner import pick_device
+
+    device = pick_device(name)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 if __name__ == "__main__":
