@@ -57,3 +57,12 @@ class Linear:
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)
+
+    def float_out(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] → float32 [T, out]. For half-precision x on CUDA the product leaves the
+        fp32 accumulators unrounded (`torch.mm(..., out_dtype=float32)`): rounded to bf16, logits
+        near 25 move in steps of 0.125, and the default model's first answer token to "What is
+        the capital of France?" beats the runner-up by 0.08 in fp32."""
+        if x.dtype == torch.float32 or self.packed or self.bias is not None or x.device.type != "cuda":
+            return self(x).float()
+        return torch.mm(x, self.weight, out_dtype=torch.float32)

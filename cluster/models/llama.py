@@ -67,7 +67,7 @@ class LlamaModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, H] of the positions to sample → float32 logits [S, V]."""
         h = F.rms_norm(hidden, hidden.shape[-1:], self.w.norm, self.arch.rms_norm_eps)
-        return self.w.lm_head(h).float()
+        return self.w.lm_head.float_out(h)
 
     def _attention(self, layer: LayerWeights, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                    kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
