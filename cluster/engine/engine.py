@@ -197,7 +197,7 @@ class LLMEngine:
         if params.json_object:
             prior = prompt_ids[-params.prior_output_tokens:] if params.prior_output_tokens else []
             req.constraint = JsonConstraint(self.tokenizer.token_table, self.eos_token_ids | set(params.stop_token_ids),
-                                            replay=prior)
+                                            replay=prior, trailing_ids=self.tokenizer.whitespace_ids)
         return req
 
     def _track(self, req: Request, prompt: str | None) -> None:

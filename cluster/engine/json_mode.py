@@ -8,7 +8,9 @@ Three pieces:
 - `token_bytes(tokenizer)`: each token id's bytes (byte-level BPE, SentencePiece with byte
   fallback); special and added tokens have none and are never allowed mid-JSON.
 - `JsonConstraint`: one request's recognizer, kept in step with its output tokens. The sampler
-  asks it which of a few candidate tokens are allowed (see sampler.py for the order).
+  asks it which of a few candidate tokens are allowed (see sampler.py for the order); once the
+  object is complete, its `trailing_ids` (the whitespace-only tokens) and end ids are all that
+  may follow, a shortlist the sampler ranks instead of the vocabulary.
 
 What it guarantees: every output is a prefix of a JSON object, starting at its "{" (no
 whitespace before it: a weak model would spend its tokens there), and EOS (or a stop_token_id)
@@ -193,9 +195,11 @@ class JsonConstraint:
     """
 
     def __init__(self, table: Sequence[bytes | None], end_ids: Collection[int],
-                 replay: Sequence[int] = ()) -> None:
+                 replay: Sequence[int] = (), trailing_ids: Sequence[int] | None = None) -> None:
+        """`trailing_ids`: `whitespace_ids(table)`, passed in when the caller keeps it per table."""
         self.table = table
         self.end_ids = frozenset(end_ids)
+        self.trailing_ids = whitespace_ids(table) if trailing_ids is None else trailing_ids
         self.state: State | None = JsonRecognizer.START
         self.seen = 0
         self._feed(replay)
@@ -203,6 +207,11 @@ class JsonConstraint:
     @property
     def active(self) -> bool:
         return self.state is not None
+
+    @property
+    def complete(self) -> bool:
+        """The object is closed: only `trailing_ids` and `end_ids` may come next."""
+        return self.state is not None and JsonRecognizer.is_complete(self.state)
 
     def sync(self, output_ids: Sequence[int]) -> None:
         self._feed(output_ids[self.seen:])
@@ -229,6 +238,11 @@ class JsonConstraint:
         if not data:
             return None
         return JsonRecognizer.advance(state, data)
+
+
+def whitespace_ids(table: Sequence[bytes | None]) -> list[int]:
+    """The token ids whose bytes are all JSON whitespace: what may follow a complete object."""
+    return [i for i, data in enumerate(table) if data and _WS.issuperset(data)]
 
 
 def token_bytes(tokenizer: Any) -> list[bytes | None]:

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 from transformers import AutoTokenizer, PreTrainedConfig
 
-from cluster.engine.json_mode import token_bytes
+from cluster.engine.json_mode import token_bytes, whitespace_ids
 
 
 class Tokenizer:
@@ -52,6 +52,11 @@ class Tokenizer:
     def token_table(self) -> list[bytes | None]:
         """Each token id's bytes (None: special tokens), for JSON mode; built on first use."""
         return token_bytes(self.hf)
+
+    @cached_property
+    def whitespace_ids(self) -> list[int]:
+        """The whitespace-only tokens, what JSON mode allows after the object; built on first use."""
+        return whitespace_ids(self.token_table)
 
     @property
     def vocab_size(self) -> int:

@@ -153,3 +153,26 @@ def test_a_resumed_request_continues_the_same_object():
     fresh.sync(prior)
     assert resumed.state == fresh.state and resumed.allows(PIECES.index(b"1"))
     assert not JsonConstraint(PIECES, {EOS}).allows(PIECES.index(b"1"))
+
+
+def test_past_a_complete_object_min_tokens_pads_with_whitespace_from_a_shortlist():
+    """EOS held back by min_tokens, no whitespace among the likeliest tokens: the row picks
+    whitespace from the constraint's shortlist instead of asking about the whole vocabulary."""
+    table = [b"{", b"}", b" ", b"\n", b" \n ", *[b"x%d" % i for i in range(6000)], None]
+    eos = len(table) - 1
+    asked = []
+
+    class Counting(JsonConstraint):
+        def allows(self, token_id: int) -> bool:
+            asked.append(token_id)
+            return super().allows(token_id)
+
+    gen = torch.Generator().manual_seed(0)
+    for temperature in (0.0, 0.0, 0.8, 0.8, 0.8):
+        logits = torch.randn(1, len(table), generator=gen)
+        logits[0, [2, 3, 4]] = torch.tensor([-20.0, -21.0, -19.0])  # whitespace, far below the rest
+        params = SamplingParams(temperature=temperature, min_tokens=8)
+        asked.clear()
+        picked = sample(logits, [params], [gen], [[]], [[0, 1]], {eos}, [Counting(table, {eos})]).token_ids[0]
+        assert picked in (2, 3, 4) and (temperature > 0 or picked == 4)
+        assert len(asked) <= 256 + 4  # the first batch, then the shortlist: 3 tokens and EOS
