@@ -138,8 +138,9 @@ def _apply_constraints(logits: torch.Tensor, constraints: dict[int, JsonConstrai
     decides: a greedy row keeps its best allowed token, a sampling row every allowed token of
     that batch (so it samples among the allowed ones of the 256 most likely, when there are
     any). Past a complete object (min_tokens holding EOS back) the wider batches are the
-    constraint's shortlist instead: its whitespace-only tokens and end ids, all of them. A row with no allowed token at all is left as it is (a safety net: with byte-level
-    or byte-fallback tokens some token always continues the JSON, whitespace after it ends).
+    constraint's shortlist instead: its whitespace-only tokens and end ids, all of them. A row
+    with no allowed token at all is left as it is (a safety net: with byte-level or
+    byte-fallback tokens some token always continues the JSON, whitespace after it ends).
     The first batch is ranked for all rows at once: one topk, then plain lists.
     """
     rows = list(constraints)
@@ -182,7 +183,7 @@ def _allowed_beyond(row: torch.Tensor, constraint: JsonConstraint, done: int, fi
     """The first wider batch of candidates (4096, then all) that holds an allowed token."""
     vocab = row.shape[0]
     if constraint.complete:  # 160 whitespace tokens for the default model, not 49,152 candidates
-        ids = [*constraint.trailing_ids, *(t for t in constraint.end_ids if 0 <= t < vocab)]
+        ids = [t for t in (*constraint.trailing_ids, *constraint.end_ids) if 0 <= t < vocab]
         ranked = sorted(zip(row[_index(ids, row)].tolist(), ids), reverse=True)
         return _allowed(constraint, [t for _, t in ranked], [v for v, _ in ranked], first_only)
     for width in (*_JSON_CANDIDATES[1:], vocab):
