@@ -12,8 +12,8 @@ on another decode replica from where the client is, with nothing lost or repeate
 What carries over exactly: the token sequence, so greedy requests continue exactly as they
 would have, and JSON mode's place in the object. What does not: a seeded sampler's random
 state (the continuation is a valid sample, not the same one), penalties' counts of the tokens
-sent before the move (they become prompt), and a stop string that straddles the move. Plain object: no Ray here; `is_lost`
-says which exceptions mean "the replica is gone".
+sent before the move (they become prompt), and a stop string that straddles the move. Plain
+object: no Ray here; `is_lost` says which exceptions mean "the replica is gone".
 """
 
 from __future__ import annotations
