@@ -78,7 +78,7 @@ def check_grpc_servicers(grpc_options: dict[str, Any]) -> None:
             fn = None
         if not callable(fn):
             raise ConfigError(f"grpc_options.grpc_servicer_functions: {path!r} cannot be imported "
-                              f"(Tandem's is cluster.router.tandem_pb2_grpc.add_TandemServicer_to_server)")
+                              f"(Tandem's is cluster.router.grpc_servicer.add_tandem_servicer)")
 
 
 def check_keys(model: type[BaseModel], data: Any, where: str) -> None:

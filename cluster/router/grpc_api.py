@@ -21,7 +21,7 @@ from cluster.router import tandem_pb2 as pb
 from cluster.router.openai_server import OpenAIServer, deadline_after, within
 from cluster.router.protocol import APIError
 
-SERVICER = "cluster.router.tandem_pb2_grpc.add_TandemServicer_to_server"  # for grpc_options
+SERVICER = "cluster.router.grpc_servicer.add_tandem_servicer"  # for grpc_options
 
 # HTTP statuses the router answers with, and the gRPC codes that mean the same (google.rpc's map)
 STATUS_CODES = {

@@ -81,8 +81,8 @@ def test_the_grpc_block_of_serve_yaml_validates_once_uncommented():
 
     assert config["grpc_options"]["grpc_servicer_functions"] == [grpc_api.SERVICER]
 
-    config["grpc_options"]["grpc_servicer_functions"] = ["cluster.router.tandem_pb2_grpc.add_TandemServicr_to_server"]
-    with pytest.raises(ConfigError, match="add_TandemServicr_to_server"):
+    config["grpc_options"]["grpc_servicer_functions"] = ["cluster.router.grpc_servicer.add_tandem_servicr"]
+    with pytest.raises(ConfigError, match="add_tandem_servicr"):
         validate_serve_config(config)
     config["grpc_options"] = {"port": 9000, "grpc_servicer_funcions": []}
     with pytest.raises(ConfigError, match="grpc_servicer_funcions"):

@@ -77,7 +77,7 @@ http_options:
 grpc_options:
   port: {{ int .Values.grpc.port }}
   grpc_servicer_functions:
-    - cluster.router.tandem_pb2_grpc.add_TandemServicer_to_server
+    - cluster.router.grpc_servicer.add_tandem_servicer
 {{- end }}
 applications:
   - name: tandem
