@@ -23,7 +23,9 @@ class SamplingParams:
     [-100, 100] to the logits of the token ids it names before sampling (-100 bans a token in
     practice, 100 all but forces it), as OpenAI's `logit_bias`. `json_object` constrains the
     output to one JSON object (OpenAI's `response_format: {"type": "json_object"}`; see
-    engine/json_mode.py); `prior_output_tokens` says how many of the prompt's last tokens are
+    engine/json_mode.py), `json_schema` to one value of a JSON Schema, given as JSON text
+    (OpenAI's `response_format: {"type": "json_schema"}`; see engine/json_schema.py for what is
+    supported: anything else is refused here); `prior_output_tokens` says how many of the prompt's last tokens are
     the request's own earlier output (a migrated request), which JSON mode continues from.
     """
 
@@ -45,6 +47,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids unique
     json_object: bool = False
+    json_schema: str | None = None
     prior_output_tokens: int = 0
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
@@ -112,6 +115,12 @@ class SamplingParams:
             raise bad(f"prior_output_tokens must be an integer >= 0, got {self.prior_output_tokens!r}")
         if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
             raise bad("logit_bias names a token id more than once")
+        if self.json_schema is not None:
+            from cluster.engine.schema_compiler import schema_recognizer
+
+            if self.json_object:
+                raise bad("json_object and json_schema exclude each other")
+            schema_recognizer(self.json_schema)  # raises SchemaError (a ValueError) naming what is refused
 
     @property
     def greedy(self) -> bool:

@@ -19,7 +19,8 @@ import torch
 from cluster.config import EngineConfig
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.detokenizer import IncrementalDetokenizer
-from cluster.engine.json_mode import JsonConstraint
+from cluster.engine.json_mode import JsonConstraint, JsonRecognizer
+from cluster.engine.schema_compiler import schema_recognizer
 from cluster.engine.model_runner import ModelRunner
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.tokenizer import Tokenizer
@@ -194,10 +195,12 @@ class LLMEngine:
     def _new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                      prefill_only: bool) -> Request:
         req = Request(request_id, prompt_ids, params, self.max_model_len, self.eos_token_ids, prefill_only)
-        if params.json_object:
+        if params.json_object or params.json_schema is not None:
             prior = prompt_ids[-params.prior_output_tokens:] if params.prior_output_tokens else []
+            recognizer = JsonRecognizer if params.json_schema is None else schema_recognizer(params.json_schema)
             req.constraint = JsonConstraint(self.tokenizer.token_table, self.eos_token_ids | set(params.stop_token_ids),
-                                            replay=prior, trailing_ids=self.tokenizer.whitespace_ids)
+                                            replay=prior, trailing_ids=self.tokenizer.whitespace_ids,
+                                            recognizer=recognizer)
         return req
 
     def _track(self, req: Request, prompt: str | None) -> None:

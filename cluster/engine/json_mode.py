@@ -7,7 +7,8 @@ Three pieces:
   one `advance` and nothing has to be undone.
 - `token_bytes(tokenizer)`: each token id's bytes (byte-level BPE, SentencePiece with byte
   fallback); special and added tokens have none and are never allowed mid-JSON.
-- `JsonConstraint`: one request's recognizer, kept in step with its output tokens. The sampler
+- `JsonConstraint`: one request's recognizer (this one, or a JSON schema's: json_schema.py),
+  kept in step with its output tokens. The sampler
   asks it which of a few candidate tokens are allowed (see sampler.py for the order); once the
   object is complete, its `trailing_ids` (the whitespace-only tokens) and end ids are all that
   may follow, a shortlist the sampler ranks instead of the vocabulary.
@@ -195,12 +196,15 @@ class JsonConstraint:
     """
 
     def __init__(self, table: Sequence[bytes | None], end_ids: Collection[int],
-                 replay: Sequence[int] = (), trailing_ids: Sequence[int] | None = None) -> None:
-        """`trailing_ids`: `whitespace_ids(table)`, passed in when the caller keeps it per table."""
+                 replay: Sequence[int] = (), trailing_ids: Sequence[int] | None = None,
+                 recognizer: Any = JsonRecognizer) -> None:
+        """`trailing_ids`: `whitespace_ids(table)`, passed in when the caller keeps it per table.
+        `recognizer`: JSON mode's, or a schema's (json_schema.py): START, advance, is_complete."""
         self.table = table
         self.end_ids = frozenset(end_ids)
         self.trailing_ids = whitespace_ids(table) if trailing_ids is None else trailing_ids
-        self.state: State | None = JsonRecognizer.START
+        self.recognizer = recognizer
+        self.state: Any = recognizer.START
         self.seen = 0
         self._feed(replay)
 
@@ -211,7 +215,7 @@ class JsonConstraint:
     @property
     def complete(self) -> bool:
         """The object is closed: only `trailing_ids` and `end_ids` may come next."""
-        return self.state is not None and JsonRecognizer.is_complete(self.state)
+        return self.state is not None and self.recognizer.is_complete(self.state)
 
     def sync(self, output_ids: Sequence[int]) -> None:
         self._feed(output_ids[self.seen:])
@@ -222,7 +226,7 @@ class JsonConstraint:
         if self.state is None:
             return True
         if token_id in self.end_ids:
-            return JsonRecognizer.is_complete(self.state)
+            return self.recognizer.is_complete(self.state)
         return self._next(self.state, token_id) is not None
 
     def _feed(self, token_ids: Sequence[int]) -> None:
@@ -233,11 +237,11 @@ class JsonConstraint:
                 continue  # EOS under ignore_eos: the output text is unchanged
             self.state = self._next(self.state, t)
 
-    def _next(self, state: State, token_id: int) -> State | None:
+    def _next(self, state: Any, token_id: int) -> Any:
         data = self.table[token_id] if 0 <= token_id < len(self.table) else None
         if not data:
             return None
-        return JsonRecognizer.advance(state, data)
+        return self.recognizer.advance(state, data)
 
 
 def whitespace_ids(table: Sequence[bytes | None]) -> list[int]:

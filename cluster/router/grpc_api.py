@@ -13,6 +13,7 @@ the client names one in the `application` metadata).
 
 from __future__ import annotations
 
+import json
 from typing import Any, AsyncIterator
 
 import grpc
@@ -60,6 +61,14 @@ def request_body(req: pb.GenerateRequest) -> tuple[str, dict[str, Any]]:
         body["logit_bias"] = {str(token): bias for token, bias in req.logit_bias.items()}
     if req.json_object:
         body["response_format"] = {"type": "json_object"}
+    if req.HasField("json_schema"):
+        if req.json_object:
+            raise APIError(400, "json_object and json_schema exclude each other", param="json_schema")
+        try:
+            schema = json.loads(req.json_schema)
+        except ValueError:
+            raise APIError(400, "json_schema must be a JSON Schema as JSON text", param="json_schema") from None
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "grpc", "schema": schema}}
     if which == "chat":
         body["messages"] = [{"role": m.role, "content": m.content} for m in req.chat.messages]
         if req.HasField("logprobs"):

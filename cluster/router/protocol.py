@@ -2,21 +2,27 @@
 
 Unknown fields are ignored, as OpenAI and vLLM do; fields that only Tandem's internals
 set (KV-transfer parameters and the like) are therefore never read from a client. Known
-OpenAI features this server does not implement (`json_schema` structured output, tool calls,
-`suffix`, `best_of`, `echo`) are refused with a 400 naming them, never silently dropped;
-`response_format: {"type": "json_object"}` is JSON mode (engine/json_mode.py).
+OpenAI features this server does not implement (tool calls, `suffix`, `best_of`, `echo`) are
+refused with a 400 naming them, never silently dropped; `response_format: {"type":
+"json_object"}` is JSON mode (engine/json_mode.py), `{"type": "json_schema"}` structured output
+(engine/json_schema.py: a schema keyword it cannot enforce is a 400 naming it).
 """
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
+from cluster.engine.json_schema import SchemaError
+from cluster.engine.schema_compiler import schema_recognizer
 from cluster.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 MAX_N = 16
 MAX_CHOICES = 64  # prompts x n in one /v1/completions request
+_SCHEMA_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 
 class APIError(Exception):
@@ -138,13 +144,31 @@ class _Sampling(_Strict):
     def json_object(self) -> bool:
         return (self.response_format or {}).get("type") == "json_object"
 
+    @property
+    def json_schema(self) -> str | None:
+        """The schema of a json_schema response_format as compact JSON text (checked first)."""
+        if (self.response_format or {}).get("type") != "json_schema":
+            return None
+        return json.dumps(self.response_format["json_schema"]["schema"], separators=(",", ":"), sort_keys=True)
+
     def check_response_format(self) -> None:
         kind = (self.response_format or {}).get("type", "text")
         if kind == "json_schema":
-            raise APIError(400, "response_format json_schema is not supported: use {\"type\": \"json_object\"} "
-                                "and describe the schema in the prompt", param="response_format")
-        if kind not in ("text", "json_object"):
-            raise APIError(400, "response_format type must be \"text\" or \"json_object\"", param="response_format")
+            spec = self.response_format.get("json_schema")  # type: ignore[union-attr]
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise APIError(400, "response_format.json_schema.schema must be a JSON Schema (an object)",
+                               param="response_format")
+            name = spec.get("name")
+            if name is not None and not (isinstance(name, str) and _SCHEMA_NAME.fullmatch(name)):
+                raise APIError(400, "response_format.json_schema.name must be 1-64 of a-z A-Z 0-9 _ -",
+                               param="response_format")
+            try:
+                schema_recognizer(self.json_schema)  # type: ignore[arg-type]
+            except SchemaError as exc:
+                raise APIError(400, f"response_format.json_schema.schema: {exc}", param="response_format") from None
+        elif kind not in ("text", "json_object"):
+            raise APIError(400, "response_format type must be \"text\", \"json_object\" or \"json_schema\"",
+                           param="response_format")
 
     def logit_bias_ids(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
         """`logit_bias` as (token id, bias) pairs, every id inside the vocabulary."""
@@ -186,6 +210,7 @@ class _Sampling(_Strict):
                 skip_special_tokens=self.skip_special_tokens,
                 logit_bias=logit_bias,
                 json_object=self.json_object,
+                json_schema=self.json_schema,
             )
         except ValueError as exc:
             raise APIError(400, str(exc)) from None

@@ -98,8 +98,11 @@ CASES = {
     "completion_batch_of_mixed_prompts": ("POST", COMP, completion(prompt=[MARK, [1, 2]]), None, 400, "prompt"),
     "completion_batch_over_the_choice_limit": ("POST", COMP, completion(prompt=[MARK] * 65), None, 400, "prompt"),
     "completion_empty_token_list": ("POST", COMP, completion(prompt=[]), None, 400, "prompt"),
-    "response_format_json_schema_unsupported": ("POST", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
-        "name": MARK}}), None, 400, "response_format"),
+    "response_format_json_schema_without_a_schema": ("POST", CHAT, chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "m"}}), None, 400, "response_format"),
+    "response_format_json_schema_keyword_not_enforced": ("POST", CHAT, chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "m", "schema": {"type": "object", "properties": {
+            "s": {"type": "string", "pattern": MARK}}}}}), None, 400, "response_format"),
     "tools_unsupported": ("POST", CHAT, chat(tools=[{"type": "function", "function": {"name": MARK}}]), None, 400,
                           "tools"),
     "logit_bias_key_not_a_token_id": ("POST", CHAT, chat(logit_bias={MARK: 1}), None, 400, "logit_bias"),

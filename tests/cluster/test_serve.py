@@ -78,6 +78,17 @@ def test_disaggregated_app_end_to_end(serve_url):
     assert {"name", "age", "color"} <= json.loads(as_json.choices[0].message.content).keys()
     assert as_json.choices[0].finish_reason == "stop"
 
+    # structured output as the SDK asks for it: a pydantic model becomes a strict json_schema
+    from pydantic import BaseModel
+
+    class Capital(BaseModel):
+        country: str
+        capital: str
+
+    parsed = c.chat.completions.parse(model=model, messages=QUESTION, temperature=0, max_tokens=60,
+                                      response_format=Capital)
+    assert parsed.choices[0].message.parsed.capital == "Paris" and parsed.choices[0].finish_reason == "stop"
+
     import openai
 
     with pytest.raises(openai.NotFoundError):

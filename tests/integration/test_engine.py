@@ -146,6 +146,35 @@ def test_default_model_json_mode_answers_in_json_and_a_migrated_request_continue
     assert ids[:k] + rest == ids
 
 
+CAPITAL = {"type": "object", "additionalProperties": False, "required": ["country", "capital", "continent"],
+           "properties": {"country": {"type": "string", "maxLength": 40}, "capital": {"type": "string", "maxLength": 40},
+                          "population_millions": {"type": "number"},
+                          "continent": {"enum": ["Africa", "America", "Asia", "Europe", "Oceania"]}}}
+
+
+@pytest.mark.slow
+def test_default_model_json_schema_answers_with_a_value_of_the_schema_and_a_migrated_request_continues_it():
+    import jsonschema
+
+    llm = LLM()
+    ask = [{"role": "user", "content": "What is the capital of France? Answer in JSON."}]
+    greedy = SamplingParams(temperature=0.0, max_tokens=80, json_schema=json.dumps(CAPITAL))
+    out = llm.chat(ask, greedy)[0]
+    answer = json.loads(out.outputs[0].text)
+    jsonschema.validate(answer, CAPITAL)
+    assert out.outputs[0].finish_reason == "stop" and answer["capital"] == "Paris" and answer["continent"] == "Europe"
+
+    sampled = llm.chat([ask] * 3, [SamplingParams(temperature=1.0, seed=s, max_tokens=120, json_schema=json.dumps(CAPITAL))
+                                   for s in range(3)])
+    for o in sampled:
+        if o.outputs[0].finish_reason == "stop":  # (a sampled string may run to max_tokens)
+            jsonschema.validate(json.loads(o.outputs[0].text), CAPITAL)
+
+    ids, k = out.outputs[0].token_ids, 9
+    moved = SamplingParams(temperature=0.0, max_tokens=80 - k, json_schema=json.dumps(CAPITAL), prior_output_tokens=k)
+    assert ids[:k] + llm.generate([out.prompt_token_ids + ids[:k]], moved)[0].outputs[0].token_ids == ids
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_prefill_only_then_remote_admission_decodes_the_same_tokens(tiny_model_paths, kind):
     folder = str(tiny_model_paths[kind])

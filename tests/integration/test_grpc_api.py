@@ -6,6 +6,7 @@ Serve's gRPC proxy with a grpcio client: tests/cluster/test_grpc.py."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import grpc
 import pytest
@@ -160,6 +161,28 @@ def test_json_mode_over_grpc_is_the_http_one_for_chat_and_text_prompts(stack):
     assert choices(text_grpc)[0]["text"] == text_http["choices"][0]["text"]
     assert chat_http["choices"][0]["message"]["content"].startswith("{")
     assert text_http["choices"][0]["text"].startswith("{")
+
+
+def test_json_schema_over_grpc_is_the_http_one_and_bad_schemas_are_invalid_arguments(stack):
+    server = stack["disagg"]
+    schema = {"type": "object", "additionalProperties": False, "required": ["ok"],
+              "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["S", "M"]}}}
+    over_http = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+
+    async def go():
+        return (await collect(server, chat_request(temperature=0, max_tokens=160, json_schema=json.dumps(schema))),
+                await server.chat(chat_body(temperature=0, max_tokens=160, response_format=over_http)))
+
+    over_grpc, http = run(go())
+    assert choices(over_grpc)[0]["text"] == http["choices"][0]["message"]["content"]
+    assert json.loads(http["choices"][0]["message"]["content"])["ok"] in (True, False)
+
+    for bad, says in [(dict(json_schema="{not json"), "JSON text"),
+                      (dict(json_schema='{"type": "object", "minProperties": 1}'), "'minProperties' is not supported"),
+                      (dict(json_schema='{"type": "object"}', json_object=True), "exclude each other")]:
+        with pytest.raises(APIError) as info:
+            run(collect(server, chat_request(max_tokens=4, **bad)))
+        assert grpc_api.status_code(info.value) == grpc.StatusCode.INVALID_ARGUMENT and says in info.value.message
 
 
 @pytest.mark.parametrize("req, body, kind, code", [

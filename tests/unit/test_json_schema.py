@@ -1,0 +1,184 @@
+"""Structured outputs' recognizer (cluster/engine/json_schema.py, schema_compiler.py): it takes
+what a schema admits, byte by byte, refuses what it does not, never leaves a walk with no way
+on, and refuses by name the schema keywords it cannot enforce."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+
+import jsonschema
+import pytest
+
+from cluster.engine.json_mode import JsonConstraint
+from cluster.engine.json_schema import SchemaError
+from cluster.engine.schema_compiler import compile_schema
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 12},
+        "age": {"type": "integer"},
+        "height": {"type": "number"},
+        "tags": {"type": "array", "items": {"enum": ["a", "bc", "b"]}, "minItems": 1, "maxItems": 3},
+        "alive": {"type": ["boolean", "null"]},
+        "pet": {"anyOf": [{"$ref": "#/$defs/pet"}, {"type": "null"}]},
+        "kind": {"const": "person"},
+        "meta": {"type": "object", "additionalProperties": {"type": "integer"}},
+    },
+    "required": ["name", "age", "kind"],
+    "additionalProperties": False,
+    "$defs": {"pet": {"type": "object", "properties": {"name": {"type": "string"}, "friend": {"$ref": "#/$defs/pet"}},
+                      "required": ["name"], "additionalProperties": False}},
+}
+TREE = {"type": "object", "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#"}}},
+        "required": ["v"], "additionalProperties": False}
+ANY = {"type": "object"}  # any keys, any values
+SCHEMAS = {"person": PERSON, "tree": TREE, "any": ANY}
+
+
+def accepts(schema: dict, text: str, chunks: int = 1, seed: int = 0) -> tuple[bool, bool]:
+    """(a prefix of a value, a whole value) for `text` fed in `chunks` random pieces."""
+    r = compile_schema(schema)
+    data, rnd, state = text.encode(), random.Random(seed), r.START
+    cuts = sorted(rnd.sample(range(1, len(data)), min(chunks - 1, len(data) - 1))) if chunks > 1 else []
+    for a, b in zip([0, *cuts], [*cuts, len(data)]):
+        state = r.advance(state, data[a:b])
+        if state is None:
+            return False, False
+    return True, r.is_complete(state)
+
+
+VALID = [
+    '{"name":"Bob","age":3,"kind":"person"}',
+    '{ "kind" : "person" , "age" : -12 , "name" : "Zoé \\" \\u00e9" , "tags" : [ "bc" , "a" ] ,'
+    ' "alive" : null , "height" : 1.5e3 , "pet" : {"name": "Rex", "friend": {"name": "Tom"}}, "meta": {"x": 1, "": 2}}',
+    '{"name":"B","age":0,"kind":"person","alive":false,"pet":null,"tags":["b"],"meta":{}}  \n',
+]
+INVALID = [
+    '{"name":"Bob","age":3}',  # a required key missing
+    '{"name":"Bob","age":3.5,"kind":"person"}',  # not an integer
+    '{"name":"Bob","age":3,"kind":"person","zz":1}',  # a key the schema does not name
+    '{"name":"","age":3,"kind":"person"}',  # minLength
+    '{"name":"Bobbbbbbbbbbbb","age":3,"kind":"person"}',  # maxLength
+    '{"name":"Bob","age":3,"kind":"person","tags":[]}',  # minItems
+    '{"name":"Bob","age":3,"kind":"person","tags":["a","a","a","a"]}',  # maxItems
+    '{"name":"Bob","age":3,"kind":"person","tags":["c"]}',  # not in the enum
+    '{"name":"Bob","age":3,"kind":"people"}',  # not the const
+    '{"name":"Bob","age":3,"kind":"person","alive":"yes"}',  # not a type of the list
+    '{"name":"Bob","age":3,"kind":"person","pet":{"friend":{"name":"x"}}}',  # the $ref'd required name
+    '{"name":"Bob","age":3,"kind":"person","meta":{"x":"1"}}',  # additionalProperties' schema
+    '["name"]',  # the root is an object
+]
+STRICTER = [  # valid for jsonschema (json.loads keeps the last key, skips leading whitespace)
+    '{"name":"Bob","age":3,"kind":"person","age":4}',  # a key twice
+    ' {"name":"Bob","age":3,"kind":"person"}',  # whitespace before the value: a weak model's trap
+]
+
+
+@pytest.mark.parametrize("chunks", [1, 3, 40])
+def test_values_of_the_schema_are_taken_whole_and_in_any_pieces(chunks):
+    for text in VALID:
+        jsonschema.validate(json.loads(text), PERSON)  # the fixtures themselves are right
+        assert accepts(PERSON, text, chunks) == (True, True), text
+
+
+def test_everything_else_is_refused_at_the_first_byte_that_breaks_it():
+    for text in INVALID:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(json.loads(text), PERSON)
+        assert accepts(PERSON, text)[1] is False, text
+    for text in STRICTER:
+        assert accepts(PERSON, text) == (False, False), text
+    assert accepts(PERSON, '{"name":"Bob","age":3,"kind":"person","zz"') == (False, False)
+    assert accepts(PERSON, '{"name":"Bob","age":3,"kind":"person"') == (True, False)  # a prefix only
+
+
+def strict(schema):
+    """`schema` as jsonschema should read it: no keys beyond `properties` where they are given."""
+    schema = copy.deepcopy(schema)
+    stack = [schema]
+    while stack:
+        s = stack.pop()
+        if isinstance(s, dict):
+            if "properties" in s:
+                s.setdefault("additionalProperties", False)
+            stack.extend(s.values())
+        elif isinstance(s, list):
+            stack.extend(s)
+    return schema
+
+
+ALPHABET = [b for b in range(0x20, 0x7F)] + [0x0A]
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_a_random_walk_never_ends_up_stuck_and_every_end_validates(name):
+    schema = SCHEMAS[name]
+    r = compile_schema(schema)
+    rnd = random.Random(name)
+    ends = 0
+    for _ in range(60):
+        state, out = r.START, bytearray()
+        for _ in range(3000):
+            if r.is_complete(state):
+                break
+            allowed = [b for b in ALPHABET if r.advance(state, bytes((b,))) is not None]
+            assert allowed, f"stuck after {bytes(out)!r}"
+            # structural bytes first, so that the walk ends: strings would run on for ~95 bytes each
+            closing = [b for b in allowed if b in b'"}],:']
+            b = rnd.choice(closing if closing and rnd.random() < 0.5 else allowed)
+            state = r.advance(state, bytes((b,)))
+            out.append(b)
+        if r.is_complete(state):
+            ends += 1
+            jsonschema.validate(json.loads(out), strict(schema))
+    assert ends >= 50
+
+
+@pytest.mark.parametrize("schema,named", [
+    ({"type": "object", "properties": {"s": {"type": "string", "pattern": "^a"}}}, "pattern"),
+    ({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}}, "minimum"),
+    ({"type": "object", "properties": {"t": {"type": "array", "items": [{"type": "string"}]}}}, "tuple"),
+    ({"type": "object", "properties": {"r": {"$ref": "https://example.com/s.json"}}}, "$ref"),
+    ({"type": "object", "properties": {"r": {"$ref": "#/$defs/missing"}}}, "does not resolve"),
+    ({"type": "object", "properties": {"u": {"anyOf": [{"type": "object"}, {"type": "object"}]}}}, "both start"),
+    ({"type": "object", "properties": {"u": {"type": ["integer", "number"]}}}, "both start"),
+    ({"type": "object", "properties": {"me": {"$ref": "#"}}, "required": ["me"]}, "no finite"),
+    ({"type": "string"}, "root must be an object"),
+    ({"type": "object", "properties": {"a": {"type": "string"}}, "additionalProperties": True}, "additionalProperties"),
+    ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]}, "'b'"),
+    ({"type": "object", "properties": {"e": {"enum": []}}}, "enum"),
+    ({"type": "object", "properties": {"e": {"type": "date"}}}, "date"),
+    ({"type": "object", "properties": {"a": {"type": "array", "minItems": 3, "maxItems": 2}}}, "minItems"),
+    ({"type": "object", "not": {"type": "object"}}, "'not'"),
+])
+def test_what_it_cannot_enforce_is_refused_by_name(schema, named):
+    with pytest.raises(SchemaError, match=named.replace("$", r"\$")):
+        compile_schema(schema)
+
+
+def test_the_constraint_runs_a_schema_over_tokens():
+    # tokens: the bytes of '{"a":' , 'tru', 'e', '}', ' ', 'x' and an end id (6)
+    table = [b'{"a":', b"tru", b"e", b"}", b" ", b"x", None]
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"], "additionalProperties": False}
+    c = JsonConstraint(table, end_ids=[6], recognizer=compile_schema(schema))
+    assert [t for t in range(7) if c.allows(t)] == [0]
+    c.sync([0, 1])
+    assert [t for t in range(7) if c.allows(t)] == [2] and not c.complete
+    c.sync([0, 1, 2, 3])
+    assert c.complete and [t for t in range(7) if c.allows(t)] == [4, 6]
+
+
+def test_sampling_params_refuse_a_schema_they_cannot_enforce():
+    from cluster.sampling_params import SamplingParams
+
+    ok = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})
+    assert SamplingParams(json_schema=ok).json_schema == ok
+    with pytest.raises(ValueError, match="'minimum' is not supported"):
+        SamplingParams(json_schema=json.dumps({"type": "object", "properties": {"a": {"minimum": 1}}}))
+    with pytest.raises(ValueError, match="exclude each other"):
+        SamplingParams(json_schema=ok, json_object=True)
+    with pytest.raises(ValueError, match="not valid JSON"):
+        SamplingParams(json_schema="{")
