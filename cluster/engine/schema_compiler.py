@@ -20,6 +20,7 @@ from typing import Any
 from cluster.engine.json_schema import _FIRST, _KEYWORDS, Node, SchemaError, SchemaRecognizer, _key_bytes
 
 MAX_NODES = 2048  # compiled schema nodes per request
+MAX_SCHEMA_DEPTH = 64  # schema objects inside one another
 MAX_LITERAL_BYTES = 1 << 16  # all enum/const values of a schema, serialized
 
 _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id", "$comment", "format",
@@ -33,6 +34,8 @@ def schema_recognizer(text: str) -> SchemaRecognizer:
         schema = json.loads(text)
     except ValueError:
         raise SchemaError("json_schema is not valid JSON") from None
+    except RecursionError:
+        raise SchemaError(f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels") from None
     return compile_schema(schema)
 
 
@@ -61,6 +64,7 @@ class _Compiler:
         self.refs: dict[str, int] = {}
         self.literal_bytes = 0
         self._any: int | None = None
+        self.depth = 0
 
     def _new(self) -> int:
         if len(self.nodes) >= MAX_NODES:
@@ -69,6 +73,15 @@ class _Compiler:
         return len(self.nodes) - 1
 
     def node(self, schema: Any, where: str) -> int:
+        self.depth += 1
+        try:
+            if self.depth > MAX_SCHEMA_DEPTH:
+                raise SchemaError(f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
+            return self._node(schema, where)
+        finally:
+            self.depth -= 1
+
+    def _node(self, schema: Any, where: str) -> int:
         if schema is True or schema == {}:
             return self.any()
         if not isinstance(schema, dict):

@@ -166,6 +166,9 @@ class _Sampling(_Strict):
                 schema_recognizer(self.json_schema)  # type: ignore[arg-type]
             except SchemaError as exc:
                 raise APIError(400, f"response_format.json_schema.schema: {exc}", param="response_format") from None
+            except RecursionError:  # nested too deep even to print
+                raise APIError(400, "response_format.json_schema.schema nests too deeply",
+                               param="response_format") from None
         elif kind not in ("text", "json_object"):
             raise APIError(400, "response_format type must be \"text\", \"json_object\" or \"json_schema\"",
                            param="response_format")

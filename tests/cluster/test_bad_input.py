@@ -42,6 +42,13 @@ def completion(**fields) -> bytes:
     return json.dumps({"model": MODEL, "prompt": f"Hello {MARK}", "max_tokens": 4, **fields}).encode()
 
 
+def nested_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
 LONG_PROMPT = " ".join(f"w{i}" for i in range(1200))  # > 1024 tokens, the tiny model's max_model_len
 CHAT, COMP = "/v1/chat/completions", "/v1/completions"
 
@@ -103,6 +110,11 @@ CASES = {
     "response_format_json_schema_keyword_not_enforced": ("POST", CHAT, chat(response_format={
         "type": "json_schema", "json_schema": {"name": "m", "schema": {"type": "object", "properties": {
             "s": {"type": "string", "pattern": MARK}}}}}), None, 400, "response_format"),
+    "response_format_json_schema_nested_80_deep": ("POST", CHAT, chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "m", "schema": nested_schema(80)}}), None, 400,
+        "response_format"),
+    "response_format_json_schema_nested_400_deep": ("POST", CHAT, chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "m", "schema": nested_schema(400)}}), None, 400, ...),
     "tools_unsupported": ("POST", CHAT, chat(tools=[{"type": "function", "function": {"name": MARK}}]), None, 400,
                           "tools"),
     "logit_bias_key_not_a_token_id": ("POST", CHAT, chat(logit_bias={MARK: 1}), None, 400, "logit_bias"),

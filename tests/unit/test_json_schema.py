@@ -137,6 +137,13 @@ def test_a_random_walk_never_ends_up_stuck_and_every_end_validates(name):
     assert ends >= 50
 
 
+def nested(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
 @pytest.mark.parametrize("schema,named", [
     ({"type": "object", "properties": {"s": {"type": "string", "pattern": "^a"}}}, "pattern"),
     ({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}}, "minimum"),
@@ -153,6 +160,7 @@ def test_a_random_walk_never_ends_up_stuck_and_every_end_validates(name):
     ({"type": "object", "properties": {"e": {"type": "date"}}}, "date"),
     ({"type": "object", "properties": {"a": {"type": "array", "minItems": 3, "maxItems": 2}}}, "minItems"),
     ({"type": "object", "not": {"type": "object"}}, "'not'"),
+    (nested(70), "nests deeper than 64"),
 ])
 def test_what_it_cannot_enforce_is_refused_by_name(schema, named):
     with pytest.raises(SchemaError, match=named.replace("$", r"\$")):
