@@ -24,9 +24,10 @@ class SamplingParams:
     practice, 100 all but forces it), as OpenAI's `logit_bias`. `json_object` constrains the
     output to one JSON object (OpenAI's `response_format: {"type": "json_object"}`; see
     engine/json_mode.py), `json_schema` to one value of a JSON Schema, given as JSON text
-    (OpenAI's `response_format: {"type": "json_schema"}`; see engine/json_schema.py for what is
-    supported: anything else is refused here); `prior_output_tokens` says how many of the prompt's last tokens are
-    the request's own earlier output (a migrated request), which JSON mode continues from.
+    (OpenAI's `response_format: {"type": "json_schema"}`; engine/json_schema.py says what is
+    supported, and anything else is refused here). `prior_output_tokens` says how many of the
+    prompt's last tokens are the request's own earlier output (a migrated request), which JSON
+    mode and json_schema continue from.
     """
 
     n: int = 1

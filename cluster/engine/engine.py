@@ -20,9 +20,9 @@ from cluster.config import EngineConfig
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.json_mode import JsonConstraint, JsonRecognizer
-from cluster.engine.schema_compiler import schema_recognizer
 from cluster.engine.model_runner import ModelRunner
 from cluster.engine.scheduler import Scheduler
+from cluster.engine.schema_compiler import schema_recognizer
 from cluster.engine.tokenizer import Tokenizer
 from cluster.kvtransfer.wire import KVLayout
 from cluster.models.architecture import Architecture

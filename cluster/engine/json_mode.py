@@ -8,10 +8,10 @@ Three pieces:
 - `token_bytes(tokenizer)`: each token id's bytes (byte-level BPE, SentencePiece with byte
   fallback); special and added tokens have none and are never allowed mid-JSON.
 - `JsonConstraint`: one request's recognizer (this one, or a JSON schema's: json_schema.py),
-  kept in step with its output tokens. The sampler
-  asks it which of a few candidate tokens are allowed (see sampler.py for the order); once the
-  object is complete, its `trailing_ids` (the whitespace-only tokens) and end ids are all that
-  may follow, a shortlist the sampler ranks instead of the vocabulary.
+  kept in step with its output tokens. The sampler asks it which of a few candidate tokens are
+  allowed (see sampler.py for the order); once the object is complete, its `trailing_ids` (the
+  whitespace-only tokens) and end ids are all that may follow, a shortlist the sampler ranks
+  instead of the vocabulary.
 
 What it guarantees: every output is a prefix of a JSON object, starting at its "{" (no
 whitespace before it: a weak model would spend its tokens there), and EOS (or a stop_token_id)

@@ -170,7 +170,8 @@ def test_what_it_cannot_enforce_is_refused_by_name(schema, named):
 def test_the_constraint_runs_a_schema_over_tokens():
     # tokens: the bytes of '{"a":' , 'tru', 'e', '}', ' ', 'x' and an end id (6)
     table = [b'{"a":', b"tru", b"e", b"}", b" ", b"x", None]
-    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"], "additionalProperties": False}
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"],
+              "additionalProperties": False}
     c = JsonConstraint(table, end_ids=[6], recognizer=compile_schema(schema))
     assert [t for t in range(7) if c.allows(t)] == [0]
     c.sync([0, 1])
