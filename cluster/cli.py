@@ -17,9 +17,13 @@ def _chat(args: argparse.Namespace) -> int:
     from cluster.llm import LLM
     from cluster.sampling_params import SamplingParams
 
-    llm = LLM(args.model, cache_dir=args.cache_dir, max_model_len=args.max_model_len)
+    schema = None
+    if args.json_schema:
+        with open(args.json_schema, encoding="utf-8") as f:
+            schema = f.read()
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
-                            json_object=args.json)
+                            json_object=args.json, json_schema=schema)  # a bad schema: ValueError, before loading
+    llm = LLM(args.model, cache_dir=args.cache_dir, max_model_len=args.max_model_len)
     prompt = llm.engine.tokenizer.encode_chat([{"role": "user", "content": args.question}])
     for delta in llm.stream(prompt, params):
         sys.stdout.write(delta)
@@ -130,7 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.add_argument("--seed", type=int, default=None)
     chat.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    chat.add_argument("--json", action="store_true", help="JSON mode: the answer is one JSON object")
+    shape = chat.add_mutually_exclusive_group()
+    shape.add_argument("--json", action="store_true", help="JSON mode: the answer is one JSON object")
+    shape.add_argument("--json-schema", metavar="FILE", default=None,
+                       help="structured output: the answer is one value of the JSON Schema in FILE")
     chat.set_defaults(func=_chat)
 
     convert = sub.add_parser("convert-model", help="convert the default model into an HF folder (once)")

@@ -172,6 +172,11 @@ class _Compiler:
         values = [schema["const"]] if "const" in schema else schema["enum"]
         if not isinstance(values, list) or not values:
             raise SchemaError(f"{where}: enum must be a non-empty list")
+        if "type" in schema:  # only the values of that type are values of the schema
+            types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+            values = [v for v in values if any(_is_of_type(v, t) for t in types)]
+            if not values:
+                raise SchemaError(f"{where}: no value of the enum is of type {schema['type']!r}")
         options = tuple(dict.fromkeys(json.dumps(v, ensure_ascii=False, separators=(",", ":")).encode()
                                       for v in values))
         self.literal_bytes += sum(len(o) for o in options)
@@ -243,6 +248,16 @@ class _Compiler:
                 self.nodes[union[kind]] = Node(kind)
             self.nodes[n] = Node("union", union=union)
         return self._any
+
+
+def _is_of_type(value: Any, kind: Any) -> bool:
+    if isinstance(value, bool):
+        return kind == "boolean"
+    if isinstance(value, int):
+        return kind in ("integer", "number")
+    if isinstance(value, float):
+        return kind == "number" or (kind == "integer" and value.is_integer())
+    return {"string": str, "null": type(None), "object": dict, "array": list}.get(kind) is type(value)
 
 
 def _finite(nodes: list[Node]) -> list[bool]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -27,6 +28,26 @@ def test_chat_with_a_local_folder_and_a_missing_one(tiny_model_paths, tmp_path):
     missing = tandem("chat", "Hi", "--model", str(tmp_path / "nope"))
     assert missing.returncode == 2
     assert "tandem: error" in missing.stderr and "nope" in missing.stderr
+
+
+def test_chat_with_a_json_schema_file_and_a_schema_it_cannot_enforce(tiny_model_paths, tmp_path):
+    from cluster.engine.schema_compiler import compile_schema
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["S", "M"]}},
+              "required": ["ok", "size"], "additionalProperties": False}
+    (tmp_path / "shape.json").write_text(json.dumps(schema))
+    proc = tandem("chat", "Hi", "--model", str(tiny_model_paths["qwen2"]), "--max-tokens", "12",
+                  "--json-schema", str(tmp_path / "shape.json"))
+    assert proc.returncode == 0, proc.stderr
+    recognizer = compile_schema(schema)  # the answer so far is the start of a value of the schema
+    assert proc.stdout.startswith("{")
+    assert recognizer.advance(recognizer.START, proc.stdout.rstrip("\n").encode()) is not None
+
+    (tmp_path / "pattern.json").write_text(json.dumps({"type": "object", "properties": {"s": {"pattern": "a+"}}}))
+    refused = tandem("chat", "Hi", "--json-schema", str(tmp_path / "pattern.json"))
+    assert refused.returncode == 2 and "'pattern' is not supported" in refused.stderr
+    both = tandem("chat", "Hi", "--json", "--json-schema", str(tmp_path / "shape.json"))
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr
 
 
 def test_convert_model_reuses_the_cached_folder(default_model_path):

@@ -161,6 +161,7 @@ def nested(depth: int) -> dict:
     ({"type": "object", "properties": {"a": {"type": "array", "minItems": 3, "maxItems": 2}}}, "minItems"),
     ({"type": "object", "not": {"type": "object"}}, "'not'"),
     (nested(70), "nests deeper than 64"),
+    ({"type": "object", "properties": {"e": {"type": "string", "enum": [1, None]}}}, "no value of the enum"),
 ])
 def test_what_it_cannot_enforce_is_refused_by_name(schema, named):
     with pytest.raises(SchemaError, match=named.replace("$", r"\$")):
@@ -191,3 +192,9 @@ def test_sampling_params_refuse_a_schema_they_cannot_enforce():
         SamplingParams(json_schema=ok, json_object=True)
     with pytest.raises(ValueError, match="not valid JSON"):
         SamplingParams(json_schema="{")
+
+
+def test_an_enum_with_a_type_keeps_the_values_of_that_type():
+    schema = {"type": "object", "properties": {"e": {"type": ["integer", "null"], "enum": [1, "1", 2.0, None, True]}}}
+    for value, taken in [("1", True), ('"1"', False), ("2.0", True), ("null", True), ("true", False)]:
+        assert accepts(schema, f'{{"e":{value}}}')[1] is taken, value
