@@ -283,6 +283,11 @@ def test_completion_logprobs_carry_text_offsets_streamed_or_not(stack):
     lp = full["choices"][0]["logprobs"]
     assert len(lp["text_offset"]) == len(lp["tokens"]) == 8
     assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(8)]
-    streamed = [o for c in chunks[:-1] if c["choices"][0]["logprobs"]
-                for o in c["choices"][0]["logprobs"]["text_offset"]]
-    assert streamed == lp["text_offset"]
+    # The streamed reply's offsets count from the same start across chunks. They are checked
+    # against its own tokens: on the tiny random model two greedy runs can part at a near-tie
+    # (one CI run's did at token 4; not reproduced in 20 runs).
+    parts = [c["choices"][0]["logprobs"] for c in chunks[:-1] if c["choices"][0]["logprobs"]]
+    tokens = [t for p in parts for t in p["tokens"]]
+    offsets = [o for p in parts for o in p["text_offset"]]
+    assert len(tokens) == 8 and offsets == [sum(len(t) for t in tokens[:i]) for i in range(8)]
+    assert "".join(tokens) == "".join(c["choices"][0]["text"] for c in chunks[:-1])
