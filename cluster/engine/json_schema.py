@@ -12,20 +12,23 @@ Supported, as OpenAI's strict mode and xgrammar's default read a schema:
   match `additionalProperties` (true or a schema)
 - arrays: `items`, `minItems`, `maxItems`; strings: `minLength`, `maxLength` (code points)
 - `enum`, `const` (any JSON values, matched in compact form: `json.dumps(v, separators=(",", ":"))`)
-- `anyOf` / `oneOf` whose alternatives start differently (one per JSON type)
+- `anyOf` / `oneOf` (alternatives of the same type too: each is followed until the bytes rule
+  it out, at most MAX_ALTERNATIVES at once)
 - `$ref` to `#`, `#/$defs/…` or `#/definitions/…` (recursion allowed; nesting ≤ MAX_DEPTH)
 - ignored as annotations: title, description, default, examples, $schema, $id, $comment,
   format (not enforced), strict, deprecated, readOnly, writeOnly
 Any other keyword (pattern, minimum, …) is refused: a schema is never silently half-enforced.
 
 The value starts at its first byte (no leading whitespace, as JSON mode); whitespace between
-tokens is bounded by MAX_WHITESPACE_RUN and numbers by MAX_NUMBER_BYTES, as JSON mode's.
+tokens is bounded by MAX_WHITESPACE_RUN and numbers by MAX_NUMBER_BYTES, as JSON mode's. The root
+must be an object or an array (a value that shows where it ends).
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Union
 
 from cluster.engine.json_mode import (_DIGITS, _ESCAPES, _HEX, _N_CAN_END, _N_INT, _N_MINUS, _N_ZERO, _WS,
                                       MAX_DEPTH, MAX_NUMBER_BYTES, MAX_WHITESPACE_RUN, _number_step)
@@ -36,6 +39,8 @@ _KEYWORDS = {
     "string": {"type", "minLength", "maxLength"},
     "number": {"type"}, "integer": {"type"}, "boolean": {"type"}, "null": {"type"},
 }
+MAX_ALTERNATIVES = 16  # walks followed at once; past it the later ones are dropped (each one left
+# is a way to a valid value, so the output stays valid, only some alternatives go unexplored)
 _FIRST = {ord("{"): "object", ord("["): "array", ord('"'): "string", ord("t"): "boolean", ord("f"): "boolean",
           ord("n"): "null", ord("-"): "number", **{d: "number" for d in _DIGITS}}
 
@@ -48,7 +53,7 @@ class SchemaError(ValueError):
 class Node:
     kind: str  # a JSON type, "literal" (enum/const) or "union"
     literals: tuple[bytes, ...] = ()
-    union: dict[str, int] = field(default_factory=dict)  # type → node (integer under "number")
+    union: dict[str, tuple[int, ...]] = field(default_factory=dict)  # type → nodes (integer under "number")
     props: dict[str, tuple[bytes, int]] = field(default_factory=dict)  # name → (its key bytes, node)
     required: frozenset[str] = frozenset()
     extra: int | None = None  # node of any other key's value (no `properties` only)
@@ -57,29 +62,40 @@ class Node:
     max_count: int = 1 << 62
 
 
-# A state is (stack of frames, whitespace run); an empty stack is a complete value. Frames:
+# A state is a tuple of walks, each (stack of frames, whitespace run), one per anyOf alternative
+# still alive (most often one); a walk with an empty stack is a complete value. Frames:
 #   ("V", node)                        a value of `node` comes next
 #   ("O", node, seen, phase, key)      phase: "first" | "key" | "inkey" | "colon" | "after"
 #   ("A", node, count, phase)          phase: "first" | "after"
 #   ("S", min, max, count, esc)        in a string: esc 0, -1 after '\', k > 0 hex digits left
 #   ("N", integer, sub, run)           in a number
 #   ("L", options)                     in a literal: the options' remaining bytes
-State = tuple[tuple[tuple, ...], int]
+Walk = tuple[tuple[tuple, ...], int]
+State = tuple[Walk, ...]
+Stepped = Union[tuple[tuple[tuple, ...], bool], list, None]  # one (stack, consumed), a list of them, or none
 
 
 class SchemaRecognizer:
     def __init__(self, nodes: list[Node]) -> None:
         self.nodes = nodes
-        self.START: State = ((("V", 0),), 0)
+        self.START: State = (((("V", 0),), 0),)
 
     @staticmethod
     def is_complete(state: State) -> bool:
-        return not state[0]
+        return any(not stack for stack, _ in state)
 
     def advance(self, state: State, data: bytes) -> State | None:
         """The state after `data`, or None when `data` cannot continue a value of the schema."""
-        stack, run = state
-        i, n = 0, len(data)
+        out: list[Walk] = []
+        for stack, run in state:
+            self._walk(stack, run, data, 0, out)
+        if len(out) < 2:
+            return (out[0],) if out else None
+        return tuple(dict.fromkeys(out))[:MAX_ALTERNATIVES]
+
+    def _walk(self, stack: tuple[tuple, ...], run: int, data: bytes, i: int, out: list[Walk]) -> None:
+        """Append to `out` where one walk stands after `data[i:]` (several, when an anyOf forks it)."""
+        n = len(data)
         while i < n:
             top = stack[-1] if stack else None
             if top is not None and top[0] == "S" and top[4] == 0:  # a string's plain bytes, at once
@@ -89,27 +105,28 @@ class SchemaRecognizer:
                 if j > i:
                     count = top[3] + sum(1 for b in data[i:j] if b < 0x80 or b >= 0xC0)  # UTF-8 lead bytes
                     if count > top[2]:
-                        return None
+                        return
                     stack, run, i = stack[:-1] + (("S", top[1], top[2], count, 0),), 0, j
                     continue
             byte = data[i]
-            i += 1
-            while True:  # a number or literal that `byte` ends hands `byte` on to its parent
-                if byte in _WS and self._spaces_allowed(stack):
-                    if run >= MAX_WHITESPACE_RUN and stack:
-                        return None
-                    run += 1
-                    break
-                if not stack:
-                    return None
-                stepped = self._step(stack, byte)
-                if stepped is None:
-                    return None
-                stack, consumed = stepped
-                if consumed:
-                    run = 0
-                    break
-        return (stack, run)
+            if byte in _WS and self._spaces_allowed(stack):
+                if run >= MAX_WHITESPACE_RUN and stack:
+                    return
+                run, i = run + 1, i + 1
+                continue
+            if not stack:
+                return
+            stepped = self._step(stack, byte)
+            if stepped is None:
+                return
+            if type(stepped) is list:  # an anyOf: every alternative that `byte` starts walks on
+                for other, used in stepped[1:]:
+                    self._walk(other, 0 if used else run, data, i + 1 if used else i, out)
+                stepped = stepped[0]
+            stack, consumed = stepped  # type: ignore[misc]
+            if consumed:  # else a number or literal that `byte` ended hands it on to its parent
+                run, i = 0, i + 1
+        out.append((stack, run))
 
     @staticmethod
     def _spaces_allowed(stack: tuple[tuple, ...]) -> bool:
@@ -120,7 +137,7 @@ class SchemaRecognizer:
             return len(stack) > 1  # not before the value itself
         return (top[0] == "O" and top[3] != "inkey") or top[0] == "A"
 
-    def _step(self, stack: tuple[tuple, ...], byte: int) -> tuple[tuple[tuple, ...], bool] | None:
+    def _step(self, stack: tuple[tuple, ...], byte: int) -> Stepped:
         top, rest = stack[-1], stack[:-1]
         kind = top[0]
         if kind == "S":
@@ -157,14 +174,20 @@ class SchemaRecognizer:
             return self._object(rest, top, byte)
         return self._array(rest, top, byte)
 
-    def _start(self, rest: tuple[tuple, ...], n: int, byte: int) -> tuple[tuple[tuple, ...], bool] | None:
+    def _start(self, rest: tuple[tuple, ...], n: int, byte: int) -> Stepped:
         node = self.nodes[n]
         if node.kind == "literal":
             return self._step(rest + (("L", node.literals),), byte)
         kind = _FIRST.get(byte)
         if node.kind == "union":
-            child = node.union.get(kind) if kind is not None else None
-            return None if child is None else self._start(rest, child, byte)
+            children = node.union.get(kind, ()) if kind is not None else ()
+            if len(children) == 1:
+                return self._start(rest, children[0], byte)
+            forks = []
+            for child in children:
+                stepped = self._start(rest, child, byte)
+                forks += stepped if type(stepped) is list else [] if stepped is None else [stepped]
+            return forks if len(forks) > 1 else forks[0] if forks else None
         if kind != node.kind and not (kind == "number" and node.kind == "integer"):
             return None
         if kind in ("object", "array"):
@@ -178,7 +201,7 @@ class SchemaRecognizer:
             return rest + (("N", node.kind == "integer", _first_number_sub(byte), 1),), True
         return rest + (("L", (b"rue",) if byte == 0x74 else (b"alse",) if byte == 0x66 else (b"ull",)),), True
 
-    def _object(self, rest: tuple[tuple, ...], top: tuple, byte: int) -> tuple[tuple[tuple, ...], bool] | None:
+    def _object(self, rest: tuple[tuple, ...], top: tuple, byte: int) -> Stepped:
         _, n, seen, phase, key = top
         node = self.nodes[n]
         if phase in ("first", "key"):
@@ -212,7 +235,7 @@ class SchemaRecognizer:
             return (rest, True) if node.required <= seen else None
         return None
 
-    def _array(self, rest: tuple[tuple, ...], top: tuple, byte: int) -> tuple[tuple[tuple, ...], bool] | None:
+    def _array(self, rest: tuple[tuple, ...], top: tuple, byte: int) -> Stepped:
         _, n, count, phase = top
         node = self.nodes[n]
         if byte == 0x5D:

@@ -8,7 +8,8 @@ to refuse what it cannot enforce (a 400 naming the keyword), and the engine comp
 
 Each schema object becomes one `Node`; `$ref`s resolve to the node of their target, so a
 recursive schema is a graph. A schema whose required properties refer back to themselves
-admits no finite value and is refused; so is any root that is not an object (as OpenAI's).
+admits no finite value and is refused; so is a root that is neither an object nor an array
+(`response_format` asks for an object, as OpenAI's: `root_kinds` tells the router which it is).
 """
 
 from __future__ import annotations
@@ -51,10 +52,19 @@ def compile_schema(schema: Any) -> SchemaRecognizer:
     recognizer = SchemaRecognizer(nodes)
     if not _finite(nodes)[0]:
         raise SchemaError("the schema admits no finite JSON value (a required property refers back to itself)")
-    root = nodes[0]
-    if not (root.kind == "object" or (root.kind == "union" and set(root.union) == {"object"})):
-        raise SchemaError("the schema's root must be an object (\"type\": \"object\")")
+    if not root_kinds(recognizer) <= {"object", "array"}:
+        raise SchemaError("the schema's root must be an object (\"type\": \"object\") or an array")
     return recognizer
+
+
+def root_kinds(recognizer: SchemaRecognizer) -> set[str]:
+    """The JSON types a value of the schema can be: {"object"} for what response_format takes."""
+    root = recognizer.nodes[0]
+    if root.kind == "union":
+        return set(root.union)
+    if root.kind == "literal":
+        return {_FIRST[o[0]] for o in root.literals}
+    return {"number" if root.kind == "integer" else root.kind}
 
 
 class _Compiler:
@@ -194,12 +204,10 @@ class _Compiler:
         return n
 
     def _merge(self, children: list[int], where: str) -> Node:
-        union: dict[str, int] = {}
+        union: dict[str, tuple[int, ...]] = {}
         for child in children:
             for kind in self._kinds(child, where):
-                if kind in union:
-                    raise SchemaError(f"{where}: two alternatives both start a JSON {kind}: not supported")
-                union[kind] = child
+                union[kind] = union.get(kind, ()) + (child,)
         return Node("union", union=union)
 
     def _kinds(self, n: int, where: str) -> set[str]:
@@ -209,10 +217,7 @@ class _Compiler:
         if node.kind == "union":
             return set(node.union)
         if node.kind == "literal":
-            kinds = {_FIRST.get(o[0]) for o in node.literals}
-            if len(kinds) != 1:
-                raise SchemaError(f"{where}: an enum alternative with values of several types is not supported")
-            return kinds  # type: ignore[return-value]
+            return {_FIRST[o[0]] for o in node.literals}
         return {"number" if node.kind == "integer" else node.kind}
 
     def ref(self, path: Any, where: str) -> int:
@@ -242,10 +247,10 @@ class _Compiler:
             obj, arr = self._new(), self._new()
             self.nodes[obj] = Node("object", extra=n)
             self.nodes[arr] = Node("array", items=n)
-            union = {"object": obj, "array": arr}
+            union = {"object": (obj,), "array": (arr,)}
             for kind in ("string", "number", "boolean", "null"):
-                union[kind] = self._new()
-                self.nodes[union[kind]] = Node(kind)
+                union[kind] = (self._new(),)
+                self.nodes[union[kind][0]] = Node(kind)
             self.nodes[n] = Node("union", union=union)
         return self._any
 
@@ -274,7 +279,7 @@ def _finite(nodes: list[Node]) -> list[bool]:
             elif node.kind == "array":
                 val = node.min_count == 0 or ok[node.items]  # type: ignore[index]
             elif node.kind == "union":
-                val = any(ok[c] for c in node.union.values())
+                val = any(ok[c] for children in node.union.values() for c in children)
             else:
                 val = True
             if val:

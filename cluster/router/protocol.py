@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
 from cluster.engine.json_schema import SchemaError
-from cluster.engine.schema_compiler import schema_recognizer
+from cluster.engine.schema_compiler import root_kinds, schema_recognizer
 from cluster.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 MAX_N = 16
@@ -163,7 +163,8 @@ class _Sampling(_Strict):
                 raise APIError(400, "response_format.json_schema.name must be 1-64 of a-z A-Z 0-9 _ -",
                                param="response_format")
             try:
-                schema_recognizer(self.json_schema)  # type: ignore[arg-type]
+                if root_kinds(schema_recognizer(self.json_schema)) != {"object"}:  # type: ignore[arg-type]
+                    raise SchemaError("the schema's root must be an object (\"type\": \"object\")")
             except SchemaError as exc:
                 raise APIError(400, f"response_format.json_schema.schema: {exc}", param="response_format") from None
             except RecursionError:  # nested too deep even to print

@@ -35,7 +35,23 @@ PERSON = {
 TREE = {"type": "object", "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#"}}},
         "required": ["v"], "additionalProperties": False}
 ANY = {"type": "object"}  # any keys, any values
-SCHEMAS = {"person": PERSON, "tree": TREE, "any": ANY}
+SHAPES = {  # alternatives of one type: a discriminated union of objects, as pydantic writes one
+    "type": "object",
+    "properties": {"shapes": {"type": "array", "minItems": 1, "items": {"anyOf": [
+        {"$ref": "#/$defs/circle"}, {"$ref": "#/$defs/rect"},
+        {"type": "object", "properties": {"kind": {"const": "dot"}}, "required": ["kind"], "additionalProperties": False},
+    ]}}, "size": {"anyOf": [{"type": "integer"}, {"type": "number"}, {"enum": ["s", "small"]},
+                             {"type": "string", "maxLength": 3}]}},
+    "required": ["shapes"], "additionalProperties": False,
+    "$defs": {
+        "circle": {"type": "object", "properties": {"kind": {"const": "circle"}, "r": {"type": "number"}},
+                   "required": ["kind", "r"], "additionalProperties": False},
+        "rect": {"type": "object", "properties": {"kind": {"const": "rect"}, "w": {"type": "integer"},
+                                                  "h": {"type": "integer"}},
+                 "required": ["kind", "w", "h"], "additionalProperties": False},
+    },
+}
+SCHEMAS = {"person": PERSON, "tree": TREE, "any": ANY, "shapes": SHAPES}
 
 
 def accepts(schema: dict, text: str, chunks: int = 1, seed: int = 0) -> tuple[bool, bool]:
@@ -150,10 +166,9 @@ def nested(depth: int) -> dict:
     ({"type": "object", "properties": {"t": {"type": "array", "items": [{"type": "string"}]}}}, "tuple"),
     ({"type": "object", "properties": {"r": {"$ref": "https://example.com/s.json"}}}, "$ref"),
     ({"type": "object", "properties": {"r": {"$ref": "#/$defs/missing"}}}, "does not resolve"),
-    ({"type": "object", "properties": {"u": {"anyOf": [{"type": "object"}, {"type": "object"}]}}}, "both start"),
-    ({"type": "object", "properties": {"u": {"type": ["integer", "number"]}}}, "both start"),
     ({"type": "object", "properties": {"me": {"$ref": "#"}}, "required": ["me"]}, "no finite"),
-    ({"type": "string"}, "root must be an object"),
+    ({"type": "string"}, "root must be an object .* or an array"),
+    ({"anyOf": [{"type": "object"}, {"type": "integer"}]}, "root must be an object .* or an array"),
     ({"type": "object", "properties": {"a": {"type": "string"}}, "additionalProperties": True}, "additionalProperties"),
     ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]}, "'b'"),
     ({"type": "object", "properties": {"e": {"enum": []}}}, "enum"),
@@ -192,6 +207,37 @@ def test_sampling_params_refuse_a_schema_they_cannot_enforce():
         SamplingParams(json_schema=ok, json_object=True)
     with pytest.raises(ValueError, match="not valid JSON"):
         SamplingParams(json_schema="{")
+
+
+def test_alternatives_of_one_type_are_followed_until_the_bytes_tell_them_apart():
+    for text in ['{"shapes":[{"kind":"circle","r":2.5}]}', '{"shapes":[{"r":1,"kind":"circle"},{"kind":"dot"}]}',
+                 '{"shapes":[{"h":1,"kind":"rect","w":2}],"size":"small"}', '{"size":1.5,"shapes":[{"kind":"dot"}]}',
+                 '{"shapes":[{"kind":"dot"}],"size":"abc"}', '{"shapes":[{"kind":"dot"}],"size":7}']:
+        jsonschema.validate(json.loads(text), SHAPES)
+        assert accepts(SHAPES, text, 7) == (True, True), text
+    for text in ['{"shapes":[{"kind":"circle","w":2}]}',  # a rect's key in a circle
+                 '{"shapes":[{"kind":"rect","w":2}]}',  # a rect without its h
+                 '{"shapes":[{"kind":"dot","r":1}]}', '{"shapes":[{"r":1}]}',
+                 '{"shapes":[{"kind":"dot"}],"size":"abcd"}']:  # neither the enum nor 3 characters
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(json.loads(text), SHAPES)
+        assert accepts(SHAPES, text)[1] is False, text
+    # "s" completes one alternative and begins "small": both stay open until the bytes differ
+    r = compile_schema(SHAPES)
+    state = r.advance(r.START, b'{"shapes":[{"kind":"dot"}],"size":"s')
+    assert state is not None and len(state) == 2  # the enum (its "s" and "small"), a 3-character string
+
+
+def test_forks_past_the_limit_are_dropped_and_what_is_left_still_completes():
+    from cluster.engine.json_schema import MAX_ALTERNATIVES
+
+    alts = [{"type": "object", "properties": {"k": {"const": i}}, "required": ["k"], "additionalProperties": False}
+            for i in range(40)]
+    r = compile_schema({"type": "object", "properties": {"x": {"anyOf": alts}}, "additionalProperties": False})
+    state = r.advance(r.START, b'{"x":{"k":')
+    assert len(state) == MAX_ALTERNATIVES
+    assert r.is_complete(r.advance(state, b"3}}"))  # one of those kept
+    assert r.advance(state, b"39}}") is None  # dropped: never produced, so never half-checked
 
 
 def test_an_enum_with_a_type_keeps_the_values_of_that_type():
