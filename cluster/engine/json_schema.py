@@ -13,7 +13,8 @@ Supported, as OpenAI's strict mode and xgrammar's default read a schema:
 - arrays: `items`, `minItems`, `maxItems`; strings: `minLength`, `maxLength` (code points)
 - `enum`, `const` (any JSON values, matched in compact form: `json.dumps(v, separators=(",", ":"))`)
 - `anyOf` / `oneOf` (alternatives of the same type too: each is followed until the bytes rule
-  it out, at most MAX_ALTERNATIVES at once)
+  it out, at most MAX_ALTERNATIVES at once; oneOf is read as anyOf: a value two alternatives
+  both admit is not refused)
 - `$ref` to `#`, `#/$defs/…` or `#/definitions/…` (recursion allowed; nesting ≤ MAX_DEPTH)
 - ignored as annotations: title, description, default, examples, $schema, $id, $comment,
   format (not enforced), strict, deprecated, readOnly, writeOnly
