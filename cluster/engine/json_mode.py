@@ -15,7 +15,8 @@ Three pieces:
 
 What it guarantees: every output is a prefix of a JSON object, starting at its "{" (no
 whitespace before it: a weak model would spend its tokens there), and EOS (or a stop_token_id)
-is allowed only once that object is complete, after which only whitespace or EOS may follow.
+is allowed only once that object is complete, after which only whitespace or EOS may follow;
+the sampler then ends the reply (sampler.py: whitespace only while min_tokens holds EOS back).
 A request cut by max_tokens ends with an incomplete object, finish_reason "length", as
 OpenAI's. Bounds keep a weak model from looping: at most 32 levels of nesting, 64 bytes per
 number and 64 whitespace bytes in a row (after the object any number, so min_tokens can always

@@ -137,8 +137,8 @@ def _apply_constraints(logits: torch.Tensor, constraints: dict[int, JsonConstrai
     likely, then 4096, then all. The first batch holding an allowed token with a finite logit
     decides: a greedy row keeps its best allowed token, a sampling row every allowed token of
     that batch (so it samples among the allowed ones of the 256 most likely, when there are
-    any). Past a complete object (min_tokens holding EOS back) the wider batches are the
-    constraint's shortlist instead: its whitespace-only tokens and end ids, all of them. A row
+    any). Past a complete value the reply ends: only end ids are kept (those min_tokens has not
+    masked); while min_tokens holds them back, the constraint's whitespace-only tokens. A row
     with no allowed token at all is left as it is (a safety net: with byte-level or
     byte-fallback tokens some token always continues the JSON, whitespace after it ends).
     The first batch is ranked for all rows at once: one topk, then plain lists.
@@ -156,8 +156,11 @@ def _apply_constraints(logits: torch.Tensor, constraints: dict[int, JsonConstrai
         keep: list[int] = []
         if constraint.active:
             first_only = params[i].greedy
-            keep = (_allowed(constraint, top_ids, top_values, first_only)
-                    or _allowed_beyond(sub[j], constraint, len(top_ids), first_only))
+            if constraint.complete:
+                keep = _allowed_after(sub[j], constraint, first_only)
+            else:
+                keep = (_allowed(constraint, top_ids, top_values, first_only)
+                        or _allowed_beyond(sub[j], constraint, len(top_ids), first_only))
         if not keep:
             masked[j] = sub[j]
             continue
@@ -179,13 +182,22 @@ def _allowed(constraint: JsonConstraint, token_ids: list[int], values: list[floa
     return keep
 
 
+def _allowed_after(row: torch.Tensor, constraint: JsonConstraint, first_only: bool) -> list[int]:
+    """Past a complete value: its end ids, else (min_tokens masking them) its whitespace-only
+    tokens (160 for the default model, not 49,152 candidates), best first."""
+    vocab = row.shape[0]
+    for shortlist in (constraint.end_ids, constraint.trailing_ids):
+        ids = [t for t in shortlist if 0 <= t < vocab]
+        ranked = sorted(zip(row[_index(ids, row)].tolist(), ids), reverse=True)
+        keep = _allowed(constraint, [t for _, t in ranked], [v for v, _ in ranked], first_only)
+        if keep:
+            return keep
+    return []
+
+
 def _allowed_beyond(row: torch.Tensor, constraint: JsonConstraint, done: int, first_only: bool) -> list[int]:
     """The first wider batch of candidates (4096, then all) that holds an allowed token."""
     vocab = row.shape[0]
-    if constraint.complete:  # 160 whitespace tokens for the default model, not 49,152 candidates
-        ids = [t for t in (*constraint.trailing_ids, *constraint.end_ids) if 0 <= t < vocab]
-        ranked = sorted(zip(row[_index(ids, row)].tolist(), ids), reverse=True)
-        return _allowed(constraint, [t for _, t in ranked], [v for v, _ in ranked], first_only)
     for width in (*_JSON_CANDIDATES[1:], vocab):
         width = min(width, vocab)
         if width <= done:

@@ -138,12 +138,17 @@ def test_greedy_takes_the_best_allowed_token_and_leaves_other_rows_alone():
     picked = sample(logits, [greedy] * 2, [None] * 2, [[], []], [[], []], {EOS},
                     [JsonConstraint(PIECES, {EOS}), None]).token_ids
     assert picked == [PIECES.index(b'{"'), PIECES.index(b"x")]
-    # a complete object: only whitespace or EOS may follow, and EOS is taken when it scores best
+    # a complete object: the reply ends there, even when whitespace scores far better (a weak
+    # model would pad it with newlines up to max_tokens), sampled or greedy
     done = [PIECES.index(b"{"), PIECES.index(b"}")]
     logits = torch.full((1, len(PIECES)), 0.0)
-    logits[0, EOS] = 1.0
+    logits[0, EOS] = -3.0
     logits[0, PIECES.index(b",")] = 5.0
-    assert sample(logits, [greedy], [None], [[]], [done], {EOS}, [JsonConstraint(PIECES, {EOS})]).token_ids == [EOS]
+    logits[0, PIECES.index(b"\n")] = 4.0
+    for params in (greedy, SamplingParams(temperature=1.0, seed=1)):
+        gen = None if params.greedy else torch.Generator().manual_seed(1)
+        got = sample(logits.clone(), [params], [gen], [[]], [done], {EOS}, [JsonConstraint(PIECES, {EOS})]).token_ids
+        assert got == [EOS]
 
 
 def test_a_resumed_request_continues_the_same_object():
