@@ -38,15 +38,21 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def chat_prompt(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def chat_prompt(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: Sequence[dict[str, Any]] | None = None) -> str:
         if not self.hf.chat_template:
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
         return self.hf.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
-                                           tokenize=False)
+                                           tokenize=False, tools=list(tools) if tools else None)
 
-    def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
         """The chat template already writes the special tokens, so none are added on top."""
-        return list(self.hf.encode(self.chat_prompt(messages), add_special_tokens=False))
+        return list(self.hf.encode(self.chat_prompt(messages, tools=tools), add_special_tokens=False))
+
+    @property
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template writes `tools` itself (else router/tools.py describes them)."""
+        return "tools" in (self.hf.chat_template or "")
 
     @cached_property
     def token_table(self) -> list[bytes | None]:

@@ -25,6 +25,8 @@ from pydantic import ValidationError
 from cluster.outputs import TokenDelta, TokenLogprobs
 from cluster.router.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                      validation_message)
+from cluster.router.streams import SSEStream, deadline_after, merge_samples, within
+from cluster.router.tools import CallStream, ToolPlan, messages as template_messages, plan as tool_plan
 from cluster.sampling_params import SamplingParams
 
 GenerateFn = Callable[[str, list[int], SamplingParams], AsyncIterator[list[TokenDelta]]]
@@ -56,27 +58,7 @@ class Prepared:
     request_id: str
     children: list[Child]  # in choice order
     prompt_tokens: int  # usage: every prompt's tokens, once each (n samples share their prompt)
-
-
-class SSEStream:
-    """One streamed response's SSE lines. `aclose()` ends the request wherever it stands, even
-    when nobody started iterating (a client gone before the body): the samples behind it are
-    already running, and closing them is what aborts them in the pools."""
-
-    def __init__(self, lines: AsyncIterator[str], source: AsyncIterator[Any]) -> None:
-        self._lines, self._source = lines, source
-
-    def __aiter__(self) -> "SSEStream":
-        return self
-
-    async def __anext__(self) -> str:
-        return await self._lines.__anext__()
-
-    async def aclose(self) -> None:
-        try:
-            await self._lines.aclose()
-        finally:
-            await self._source.aclose()
+    tools: ToolPlan | None = None  # chat: the calls the reply is held to (router/tools.py)
 
 
 class OpenAIServer:
@@ -118,10 +100,14 @@ class OpenAIServer:
             self._check_model(req.model)
             req.check_stream_options()
             req.check_supported()
-            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                        for m in req.messages]
+            tools = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
+            if tools is not None and req.response_format and req.response_format.get("type") != "text":
+                raise APIError(400, "response_format and a tool_choice that calls tools exclude each other",
+                               param="response_format")
+            native = self.tokenizer.template_takes_tools
+            messages = template_messages([m.as_dict() for m in req.messages], tools, native)
             try:
-                prompts = [self.tokenizer.encode_chat(messages)]
+                prompts = [self.tokenizer.encode_chat(messages, tools=tools.tools if tools and native else None)]
             except Exception as exc:  # a template that rejects this conversation
                 raise APIError(400, f"cannot apply the chat template: {type(exc).__name__}") from None
         else:
@@ -129,14 +115,17 @@ class OpenAIServer:
             self._check_model(req.model)
             req.check_stream_options()
             req.check_supported()
+            tools = None
             prompts = [self._completion_prompt(p) for p in req.prompts()]
         limits = [self._limits(ids, req.requested_max_tokens()) for ids in prompts]  # each its own room
         bias = req.logit_bias_ids(self.tokenizer.vocab_size)
         per_prompt = [req.sampling_params(limit, req.requested_logprobs(), bias) for limit in limits]
+        if tools is not None:
+            per_prompt = [dataclasses.replace(ps, json_schema=tools.schema) for ps in per_prompt]
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         children = [Child(f"{rid}-{i * req.n + j}", ids, dataclasses.replace(ps, seed=_child_seed(ps.seed, j)))
                     for i, (ids, ps) in enumerate(zip(prompts, per_prompt)) for j in range(req.n)]
-        return Prepared(kind, req, per_prompt[0], rid, children, sum(len(ids) for ids in prompts))
+        return Prepared(kind, req, per_prompt[0], rid, children, sum(len(ids) for ids in prompts), tools)
 
     def _completion_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -148,7 +137,7 @@ class OpenAIServer:
     def samples(self, p: Prepared) -> AsyncIterator[tuple[int, TokenDelta]]:
         """The choices of a prepared request, running concurrently, as (choice, delta);
         closing it aborts them."""
-        return _merge([self.generate(*c) for c in p.children])
+        return merge_samples([self.generate(*c) for c in p.children])
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.hf.decode([token_id])
@@ -178,7 +167,7 @@ class OpenAIServer:
         if not req.stream:
             choices = await within(asyncio.gather(*(self._collect(c) for c in p.children)), deadline)
             return self._response(p.kind, p.request_id, created, choices, p.prompt_tokens,
-                                  params.logprobs is not None)
+                                  params.logprobs is not None, p.tools)
         merged = self.samples(p)
         try:
             first = await within(merged.__anext__(), deadline)  # errors before the first byte keep their status
@@ -187,7 +176,7 @@ class OpenAIServer:
             raise
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         lines = self._stream(p.kind, p.request_id, created, len(p.children), p.prompt_tokens, first, merged,
-                             include_usage, params.logprobs is not None, deadline)
+                             include_usage, params.logprobs is not None, deadline, p.tools)
         return SSEStream(lines, merged)
 
     async def _collect(self, child: Child) -> _Choice:
@@ -202,13 +191,16 @@ class OpenAIServer:
 
     # -- shapes ----------------------------------------------------------------------
     def _response(self, kind: str, rid: str, created: int, choices: list[_Choice], num_prompt: int,
-                  with_logprobs: bool) -> dict[str, Any]:
+                  with_logprobs: bool, tools: ToolPlan | None = None) -> dict[str, Any]:
         out = []
         for i, c in enumerate(choices):
             lp = self._logprobs(kind, c.logprobs) if with_logprobs else None
             body = {"message": {"role": "assistant", "content": c.text}} if kind == "chat" else {"text": c.text}
-            out.append({"index": i, **body, "logprobs": lp, "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason})
+            finish = c.finish_reason
+            calls = tools.calls(c.text) if tools is not None else None
+            if calls is not None:  # else cut before the calls' JSON closed: the text, as it is
+                body, finish = {"message": {"role": "assistant", "content": None, "tool_calls": calls}}, tools.finish_reason
+            out.append({"index": i, **body, "logprobs": lp, "finish_reason": finish, "stop_reason": c.stop_reason})
         completion = sum(len(c.token_ids) for c in choices)
         return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
                 "created": created, "model": self.model_name, "choices": out,
@@ -216,12 +208,14 @@ class OpenAIServer:
 
     async def _stream(self, kind: str, rid: str, created: int, n: int, num_prompt: int,
                       first: tuple[int, TokenDelta], rest: AsyncIterator[tuple[int, TokenDelta]],
-                      include_usage: bool, with_logprobs: bool, deadline: float | None) -> AsyncIterator[str]:
+                      include_usage: bool, with_logprobs: bool, deadline: float | None,
+                      tools: ToolPlan | None = None) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         base = {"id": rid, "object": obj, "created": created, "model": self.model_name}
         extra = {"usage": None} if include_usage else {}
         completion_tokens = 0
         offsets = [0] * n  # per choice: where its next token starts in its text (completions logprobs)
+        calls = [CallStream(tools) for _ in range(n)] if tools is not None else None
 
         def chunk(choices: list[dict[str, Any]]) -> str:
             return f"data: {json.dumps({**base, 'choices': choices, **extra}, ensure_ascii=False)}\n\n"
@@ -234,12 +228,15 @@ class OpenAIServer:
             while item is not None:
                 j, d = item
                 completion_tokens += len(d.token_ids)
-                lp = self._logprobs(kind, d.logprobs or [], offsets[j]) if with_logprobs else None
+                entries, finish = d.logprobs or [], d.finish_reason
+                body = ({"delta": {"content": d.text} if d.text else {}} if kind == "chat" else {"text": d.text})
+                if calls is not None:
+                    delta, entries, finish = calls[j].step(d.text, entries, finish)
+                    body = {"delta": delta or {}}
+                lp = self._logprobs(kind, entries, offsets[j]) if with_logprobs else None
                 if lp is not None and kind == "text" and lp["tokens"]:
                     offsets[j] = lp["text_offset"][-1] + len(lp["tokens"][-1])
-                body = ({"delta": {"content": d.text} if d.text else {}} if kind == "chat" else {"text": d.text})
-                finish = d.finish_reason
-                if d.text or d.token_ids or finish:
+                if (d.text or d.token_ids or finish) and (calls is None or delta is not None):
                     yield chunk([{"index": j, **body, "logprobs": lp, "finish_reason": finish,
                                   **({"stop_reason": d.stop_reason} if finish else {})}])
                 item = await within(rest.__anext__(), deadline)
@@ -274,23 +271,6 @@ class OpenAIServer:
                 "text_offset": starts}
 
 
-def deadline_after(timeout_s: float | None) -> float | None:
-    return None if timeout_s is None else time.monotonic() + timeout_s
-
-
-async def within(awaitable: Any, deadline: float | None) -> Any:
-    """Await it before the deadline, or cancel it (which aborts the requests behind it) and 408."""
-    if deadline is None:
-        return await awaitable
-    try:
-        return await asyncio.wait_for(awaitable, max(0.0, deadline - time.monotonic()))
-    except asyncio.TimeoutError:
-        if time.monotonic() < deadline:  # a timeout from inside, not our deadline
-            raise
-        raise APIError(408, "the request's deadline passed before it completed", type_="timeout_error",
-                       code="request_timeout") from None
-
-
 def _child_seed(seed: int | None, j: int) -> int | None:
     """Choice j of n samples with seed + j (wrapping inside the seed range)."""
     return None if seed is None else (seed + j) % 2**63
@@ -308,43 +288,3 @@ def _parse(model: Any, body: Any) -> Any:
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-async def _merge(streams: list[AsyncIterator[list[TokenDelta]]]) -> AsyncIterator[tuple[int, TokenDelta]]:
-    """Interleave n children's deltas as (choice index, delta); cancels them all when closed."""
-    if len(streams) == 1:
-        try:
-            async for deltas in streams[0]:
-                for d in deltas:
-                    yield 0, d
-        finally:
-            await streams[0].aclose()
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(j: int, s: AsyncIterator[list[TokenDelta]]) -> None:
-        try:
-            async for deltas in s:
-                for d in deltas:
-                    await queue.put((j, d))
-            await queue.put(done)
-        except BaseException as exc:
-            await queue.put(exc)
-            raise
-
-    tasks = [asyncio.ensure_future(pump(j, s)) for j, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

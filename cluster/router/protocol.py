@@ -2,8 +2,9 @@
 
 Unknown fields are ignored, as OpenAI and vLLM do; fields that only Tandem's internals
 set (KV-transfer parameters and the like) are therefore never read from a client. Known
-OpenAI features this server does not implement (tool calls, `suffix`, `best_of`, `echo`) are
-refused with a 400 naming them, never silently dropped; `response_format: {"type":
+OpenAI features this server does not implement (tool_choice "auto", `functions`, `suffix`,
+`best_of`, `echo`) are refused with a 400 naming them, never silently dropped (tool calls:
+router/tools.py); `response_format: {"type":
 "json_object"}` is JSON mode (engine/json_mode.py), `{"type": "json_schema"}` structured output
 (engine/json_schema.py: a schema keyword it cannot enforce is a 400 naming it).
 """
@@ -70,10 +71,25 @@ class TextPart(_Strict):
     _clean = field_validator("text")(clean_text)
 
 
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str
+
+    _clean = field_validator("name", "arguments")(clean_text)
+
+
+class ToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's result: the call it answers
 
     _clean = field_validator("content")(clean_text)
 
@@ -91,6 +107,15 @@ class ChatMessage(_Strict):
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message as a chat template reads it (developer is the system role)."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class StreamOptions(_Strict):
@@ -225,15 +250,16 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
+    tools: Any = None  # checked by router/tools.py
     tool_choice: Any = None
+    parallel_tool_calls: Any = True
     functions: list[Any] | None = None
 
     def check_supported(self) -> None:
         self.check_response_format()
-        if (self.tools and self.tool_choice != "none") or self.functions:
-            raise APIError(400, "tool calling is not supported by this server: send no `tools` "
-                                "(or tool_choice \"none\")", param="tools" if self.tools else "functions")
+        if self.functions:
+            raise APIError(400, "functions (the deprecated form of tools) is not supported: send tools",
+                           param="functions")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -89,7 +89,35 @@ def test_disaggregated_app_end_to_end(serve_url):
                                       response_format=Capital)
     assert parsed.choices[0].message.parsed.capital == "Paris" and parsed.choices[0].finish_reason == "stop"
 
+    # tool calls as the SDK makes them: a pydantic function tool, called by name, then by "required"
+    # (one call: left to make several, this model repeats the same call until max_tokens)
     import openai
+
+    class GetWeather(BaseModel):
+        city: str
+
+    class GetTime(BaseModel):
+        timezone: str
+
+    weather = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    tools = [openai.pydantic_function_tool(GetWeather), openai.pydantic_function_tool(GetTime)]
+    named = c.chat.completions.parse(model=model, messages=weather, temperature=0, max_tokens=40, tools=tools,
+                                     tool_choice={"type": "function", "function": {"name": "GetWeather"}})
+    [call] = named.choices[0].message.tool_calls
+    assert call.function.parsed_arguments.city == "Paris" and named.choices[0].finish_reason == "stop"
+    calls: dict[int, dict] = {}
+    for chunk in c.chat.completions.create(model=model, messages=weather, temperature=0, max_tokens=80, tools=tools,
+                                           tool_choice="required", parallel_tool_calls=False, stream=True):
+        for d in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            calls.setdefault(d.index, {"name": d.function.name, "arguments": ""})["arguments"] += d.function.arguments
+    assert calls and all(v["name"] in ("GetWeather", "GetTime") for v in calls.values())
+    assert {"city": "Paris"} in [json.loads(v["arguments"]) for v in calls.values()]
+    answer = c.chat.completions.create(model=model, temperature=0, max_tokens=30, tools=tools, tool_choice="none",
+                                       messages=[*weather, {"role": "assistant", "tool_calls": [{
+                                           "id": call.id, "type": "function", "function": {
+                                               "name": "GetWeather", "arguments": call.function.arguments}}]},
+                                           {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 C"}])
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
 
     with pytest.raises(openai.NotFoundError):
         c.chat.completions.create(model="gpt-4", messages=QUESTION)

@@ -213,7 +213,8 @@ def test_logit_bias_steers_the_first_token_in_both_pools(stack):
 @pytest.mark.parametrize("body,param", [
     (chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format"),  # no schema
     (chat(response_format={"type": "yaml"}), "response_format"),
-    (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice"),  # "auto": no parser
+    (chat(functions=[{"name": "f"}]), "functions"),
     (chat(logit_bias={"5000000": 1}), "logit_bias"),
     (chat(logit_bias={"1": 100.5}), "logit_bias.1"),
     ({"model": MODEL, "prompt": "x", "suffix": "y"}, "suffix"),
@@ -255,8 +256,9 @@ def test_json_schema_across_the_hand_off_equals_colocated_and_is_a_value_of_the_
 
     disagg, colocated = [r["choices"][0] for r in run(go())]
     assert disagg["message"]["content"] == colocated["message"]["content"]
-    # the tiny random model, held to the schema (it then pads with whitespace: EOS is unlikely to it)
+    # the tiny random model, held to the schema; the reply ends where the value does
     jsonschema.validate(json.loads(disagg["message"]["content"]), schema)
+    assert disagg["finish_reason"] == "stop" and disagg["message"]["content"].endswith("}")
 
     refused = {**body, "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {
         "type": "object", "properties": {"s": {"type": "string", "pattern": "^a+$"}}}}}}
@@ -270,6 +272,58 @@ def test_tools_with_tool_choice_none_and_text_response_format_are_plain_requests
     r = run(stack["disagg"].chat(chat(temperature=0, max_tokens=4, tools=tools, tool_choice="none",
                                       response_format={"type": "text"})))
     assert r["choices"][0]["finish_reason"] == "length"
+
+
+F_PARAMS = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+            "required": ["n", "ok"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": F_PARAMS}},
+         {"type": "function", "function": {"name": "g"}}]
+
+
+def test_a_named_tool_call_across_the_hand_off_equals_colocated_streamed_or_not(stack):
+    import jsonschema
+
+    body = chat(temperature=0, max_tokens=200, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "f"}})
+
+    async def go():
+        whole = [(await stack[name].chat(body))["choices"][0] for name in ("disagg", "colocated")]
+        return whole, await drain(await stack["disagg"].chat({**body, "stream": True}))
+
+    (disagg, colocated), chunks = run(go())
+    [call] = disagg["message"]["tool_calls"]
+    assert disagg["message"]["content"] is None and disagg["finish_reason"] == "stop"
+    assert call["function"]["name"] == "f" and call["function"] == colocated["message"]["tool_calls"][0]["function"]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), F_PARAMS)
+    deltas = [tc for c in chunks[1:-1] for tc in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert deltas[0]["id"].startswith("call_") and deltas[0]["function"]["name"] == "f"
+    streamed = "".join(d["function"]["arguments"] for d in deltas)
+    jsonschema.validate(json.loads(streamed), F_PARAMS)
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_required_tool_calls_are_calls_of_the_given_tools_in_every_choice(stack):
+    import jsonschema
+
+    body = chat(temperature=1.0, seed=5, n=2, max_tokens=200, tools=TOOLS, tool_choice="required",
+                parallel_tool_calls=False)
+
+    async def go():
+        return await stack["disagg"].chat(body), await drain(await stack["disagg"].chat({**body, "stream": True}))
+
+    whole, chunks = run(go())
+    streamed: dict[int, list] = {0: [], 1: []}
+    for c in chunks[1:-1]:
+        streamed[c["choices"][0]["index"]] += c["choices"][0]["delta"].get("tool_calls", [])
+    for choice in whole["choices"]:
+        for call in [tc["function"] for tc in choice["message"]["tool_calls"]] + [
+                tc["function"] for tc in streamed[choice["index"]]]:
+            jsonschema.validate(json.loads(call["arguments"]), F_PARAMS if call["name"] == "f" else {
+                "type": "object", "additionalProperties": False})
+        assert len(choice["message"]["tool_calls"]) == len(streamed[choice["index"]]) == 1
+        assert choice["finish_reason"] == "tool_calls"
+    with pytest.raises(APIError) as info:  # a reply held to calls cannot also be held to a format
+        run(stack["disagg"].chat({**body, "response_format": {"type": "json_object"}}))
+    assert info.value.param == "response_format"
 
 
 def test_completion_logprobs_carry_text_offsets_streamed_or_not(stack):

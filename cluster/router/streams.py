@@ -1,0 +1,89 @@
+"""Pieces every API surface (OpenAI HTTP, gRPC) streams with: deadlines, the merge of n
+samples into one stream, and an SSE stream that can be closed before it is read."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, AsyncIterator
+
+from cluster.outputs import TokenDelta
+from cluster.router.protocol import APIError
+
+
+class SSEStream:
+    """One streamed response's SSE lines. `aclose()` ends the request wherever it stands, even
+    when nobody started iterating (a client gone before the body): the samples behind it are
+    already running, and closing them is what aborts them in the pools."""
+
+    def __init__(self, lines: AsyncIterator[str], source: AsyncIterator[Any]) -> None:
+        self._lines, self._source = lines, source
+
+    def __aiter__(self) -> "SSEStream":
+        return self
+
+    async def __anext__(self) -> str:
+        return await self._lines.__anext__()
+
+    async def aclose(self) -> None:
+        try:
+            await self._lines.aclose()
+        finally:
+            await self._source.aclose()
+
+
+def deadline_after(timeout_s: float | None) -> float | None:
+    return None if timeout_s is None else time.monotonic() + timeout_s
+
+
+async def within(awaitable: Any, deadline: float | None) -> Any:
+    """Await it before the deadline, or cancel it (which aborts the requests behind it) and 408."""
+    if deadline is None:
+        return await awaitable
+    try:
+        return await asyncio.wait_for(awaitable, max(0.0, deadline - time.monotonic()))
+    except asyncio.TimeoutError:
+        if time.monotonic() < deadline:  # a timeout from inside, not our deadline
+            raise
+        raise APIError(408, "the request's deadline passed before it completed", type_="timeout_error",
+                       code="request_timeout") from None
+
+
+async def merge_samples(streams: list[AsyncIterator[list[TokenDelta]]]) -> AsyncIterator[tuple[int, TokenDelta]]:
+    """Interleave n children's deltas as (choice index, delta); cancels them all when closed."""
+    if len(streams) == 1:
+        try:
+            async for deltas in streams[0]:
+                for d in deltas:
+                    yield 0, d
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(j: int, s: AsyncIterator[list[TokenDelta]]) -> None:
+        try:
+            async for deltas in s:
+                for d in deltas:
+                    await queue.put((j, d))
+            await queue.put(done)
+        except BaseException as exc:
+            await queue.put(exc)
+            raise
+
+    tasks = [asyncio.ensure_future(pump(j, s)) for j, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
