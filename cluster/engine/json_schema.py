@@ -47,7 +47,11 @@ _FIRST = {ord("{"): "object", ord("["): "array", ord('"'): "string", ord("t"): "
 
 
 class SchemaError(ValueError):
-    """The schema uses something this recognizer does not enforce, or admits no value."""
+    """The schema uses something this recognizer does not enforce, or admits no value. The
+    message is cut at 300 characters: it may quote the client's keys and keywords."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message if len(message) <= 300 else message[:299] + "…")
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from typing import Any
 
 from cluster.engine.json_schema import _FIRST, _KEYWORDS, Node, SchemaError, SchemaRecognizer, _key_bytes
@@ -24,6 +25,7 @@ MAX_NODES = 2048  # compiled schema nodes per request
 MAX_SCHEMA_DEPTH = 64  # schema objects inside one another
 MAX_LITERAL_BYTES = 1 << 16  # all enum/const values of a schema, serialized
 
+_PLAIN = re.compile(r"[A-Za-z0-9_$#/.~-]{1,64}")  # what an error message quotes of the client's schema
 _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id", "$comment", "format",
                           "strict", "deprecated", "readOnly", "writeOnly", "$defs", "definitions"})
 
@@ -99,25 +101,25 @@ class _Compiler:
         keys = set(schema) - _ANNOTATIONS
         if "$ref" in schema:
             if keys != {"$ref"}:
-                raise SchemaError(f"{where}: $ref beside {sorted(keys - {'$ref'})} is not supported")
+                raise SchemaError(f"{where}: $ref beside {_names(keys - {'$ref'})} is not supported")
             return self.ref(schema["$ref"], where)
         if "enum" in schema or "const" in schema:
             return self.literal(schema, keys, where)
         for combinator in ("anyOf", "oneOf"):
             if combinator in schema:
                 if keys != {combinator}:
-                    raise SchemaError(f"{where}: {combinator} beside {sorted(keys - {combinator})} is not supported")
+                    raise SchemaError(f"{where}: {combinator} beside {_names(keys - {combinator})} is not supported")
                 return self.union(schema[combinator], f"{where}/{combinator}")
         types = schema.get("type")
         if types is None:
             inferred = [t for t in ("object", "array", "string") if keys & (_KEYWORDS[t] - {"type"})]
             if not inferred:
                 if keys:
-                    raise SchemaError(f"{where}: {sorted(keys)[0]!r} is not supported")
+                    raise SchemaError(f"{where}: {_q(sorted(keys)[0])} is not supported")
                 return self.any()
             types = inferred[0]
         if isinstance(types, list):
-            if not types or any(t not in _KEYWORDS for t in types) or len(set(types)) != len(types):
+            if not types or not all(isinstance(t, str) and t in _KEYWORDS for t in types) or len(set(types)) != len(types):
                 raise SchemaError(f"{where}: type must list distinct JSON types")
             allowed = set().union(*(_KEYWORDS[t] for t in types))
             self._check_keys(keys, allowed, where)
@@ -126,8 +128,8 @@ class _Compiler:
             n = self._new()
             self.nodes[n] = self._merge([self.typed(t, schema, f"{where}:{t}") for t in types], where)
             return n
-        if types not in _KEYWORDS:
-            raise SchemaError(f"{where}: type {types!r} is not a JSON type")
+        if not isinstance(types, str) or types not in _KEYWORDS:
+            raise SchemaError(f"{where}: type {_q(types)} is not a JSON type")
         self._check_keys(keys, _KEYWORDS[types], where)
         return self.typed(types, schema, where)
 
@@ -135,7 +137,7 @@ class _Compiler:
     def _check_keys(keys: set[str], allowed: set[str], where: str) -> None:
         unknown = sorted(keys - allowed)
         if unknown:
-            raise SchemaError(f"{where}: {unknown[0]!r} is not supported")
+            raise SchemaError(f"{where}: {_q(unknown[0])} is not supported")
 
     def typed(self, kind: str, schema: dict[str, Any], where: str) -> int:
         n = self._new()
@@ -148,14 +150,15 @@ class _Compiler:
                 raise SchemaError(f"{where}: required must be a list of names")
             missing = sorted(set(required) - set(props))
             if missing and props:
-                raise SchemaError(f"{where}: required {missing[0]!r} is not among the properties")
+                raise SchemaError(f"{where}: required {_q(missing[0])} is not among the properties")
             extra_schema = schema.get("additionalProperties", None if props else True)
             if extra_schema is not None and extra_schema is not False and props:
                 raise SchemaError(f"{where}: additionalProperties beside properties is not supported")
             if missing:
-                raise SchemaError(f"{where}: required {missing[0]!r} without properties is not supported")
+                raise SchemaError(f"{where}: required {_q(missing[0])} without properties is not supported")
             extra = None if extra_schema in (None, False) else self.node(extra_schema, f"{where}/additionalProperties")
-            children = {k: (_key_bytes(k), self.node(v, f"{where}/properties/{k}")) for k, v in props.items()}
+            children = {k: (_key_bytes(k), self.node(v, f"{where}/properties/{_q(k, quote=False)}"))
+                        for k, v in props.items()}
             self.nodes[n] = Node("object", props=children, required=frozenset(required), extra=extra)
         elif kind == "array":
             items = schema.get("items", True)
@@ -184,9 +187,11 @@ class _Compiler:
             raise SchemaError(f"{where}: enum must be a non-empty list")
         if "type" in schema:  # only the values of that type are values of the schema
             types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+            if not all(isinstance(t, str) and t in _KEYWORDS for t in types):
+                raise SchemaError(f"{where}: type must be a JSON type or a list of them")
             values = [v for v in values if any(_is_of_type(v, t) for t in types)]
             if not values:
-                raise SchemaError(f"{where}: no value of the enum is of type {schema['type']!r}")
+                raise SchemaError(f"{where}: no value of the enum is of type {_q(schema['type'])}")
         options = tuple(dict.fromkeys(json.dumps(v, ensure_ascii=False, separators=(",", ":")).encode()
                                       for v in values))
         self.literal_bytes += sum(len(o) for o in options)
@@ -221,23 +226,25 @@ class _Compiler:
         return {"number" if node.kind == "integer" else node.kind}
 
     def ref(self, path: Any, where: str) -> int:
-        if path in self.refs:
+        if isinstance(path, str) and path in self.refs:
             return self.refs[path]
         if not isinstance(path, str) or not (path == "#" or path.startswith(("#/$defs/", "#/definitions/"))):
-            raise SchemaError(f"{where}: $ref {path!r}: only '#', '#/$defs/...' and '#/definitions/...' are supported")
+            raise SchemaError(f"{where}: $ref {_q(path)}: only '#', '#/$defs/...' and '#/definitions/...' are supported")
         target: Any = self.root
         for part in path.split("/")[1:]:
             part = part.replace("~1", "/").replace("~0", "~")
             if not isinstance(target, dict) or part not in target:
-                raise SchemaError(f"{where}: $ref {path!r} does not resolve")
+                raise SchemaError(f"{where}: $ref {_q(path)} does not resolve")
             target = target[part]
         if path == "#":
+            if not self.nodes:  # the root is nothing but this $ref
+                raise SchemaError(f"{where}: $ref '#' at the root refers only to itself")
             self.refs[path] = 0
             return 0
         # the target is compiled into a node that forwards to it, so that recursion finds an id
         n = self._new()
         self.refs[path] = n
-        child = self.node(target, path)
+        child = self.node(target, _q(path, quote=False))
         self.nodes[n] = self.nodes[child]
         return n
 
@@ -253,6 +260,18 @@ class _Compiler:
                 self.nodes[union[kind][0]] = Node(kind)
             self.nodes[n] = Node("union", union=union)
         return self._any
+
+
+def _q(name: Any, quote: bool = True) -> str:
+    """A client's key or value as an error message may show it: a short plain name only (an
+    error never echoes the request's text at length)."""
+    if isinstance(name, str) and _PLAIN.fullmatch(name):
+        return repr(name) if quote else name
+    return "<a name not shown>"
+
+
+def _names(keys: set[str]) -> str:
+    return "[" + ", ".join(_q(k) for k in sorted(keys)) + "]" if len(keys) <= 8 else f"{len(keys)} keywords"
 
 
 def _is_of_type(value: Any, kind: Any) -> bool:

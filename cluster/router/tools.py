@@ -114,13 +114,13 @@ def plan(tools: Any, tool_choice: Any, parallel_tool_calls: Any = True) -> ToolP
     if tool_choice == "required":
         schema = _calls_schema(params, parallel_tool_calls)
         return ToolPlan(checked, None, parallel_tool_calls, json.dumps(schema, separators=(",", ":"), sort_keys=True))
-    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
     if not (isinstance(tool_choice, dict) and tool_choice.get("type") == "function" and isinstance(name, str)):
         raise APIError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", '
                             '"function": {"name": …}}', param="tool_choice")
     if name not in params:
-        raise APIError(400, f"tool_choice names a function that is not among the tools: {name[:64]!r}",
-                       param="tool_choice")
+        raise APIError(400, "tool_choice names a function that is not among the tools", param="tool_choice")
     return ToolPlan(checked, name, False, json.dumps(params[name], separators=(",", ":"), sort_keys=True))
 
 
@@ -136,7 +136,7 @@ def _check_tools(tools: Any) -> tuple[dict[str, Any], ...]:
         if not (isinstance(name, str) and _NAME.fullmatch(name)):
             raise APIError(400, f"tools[{i}].function.name must be 1-64 of a-z A-Z 0-9 _ -", param="tools")
         if name in names:
-            raise APIError(400, f"tools name {name!r} twice", param="tools")
+            raise APIError(400, f"tools[{i}] has the name of an earlier tool", param="tools")
         names.add(name)
         if not isinstance(params, dict) or params.get("type", "object") != "object":
             raise APIError(400, f"tools[{i}].function.parameters must be a JSON Schema of an object", param="tools")

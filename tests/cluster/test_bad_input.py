@@ -115,8 +115,16 @@ CASES = {
         "response_format"),
     "response_format_json_schema_nested_400_deep": ("POST", CHAT, chat(response_format={
         "type": "json_schema", "json_schema": {"name": "m", "schema": nested_schema(400)}}), None, 400, ...),
-    "tools_unsupported": ("POST", CHAT, chat(tools=[{"type": "function", "function": {"name": MARK}}]), None, 400,
-                          "tools"),
+    "tool_choice_auto_unsupported": ("POST", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]),
+                                     None, 400, "tool_choice"),
+    "tool_choice_names_no_given_tool": ("POST", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}],
+                                        tool_choice={"type": "function", "function": {"name": MARK}}), None, 400,
+                                        "tool_choice"),
+    "tool_parameters_keyword_not_enforced": ("POST", CHAT, chat(tool_choice="required", tools=[{
+        "type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+            "s": {"type": "string", "pattern": MARK}}}}}]), None, 400, "tools"),
+    "json_schema_keyword_7kb_long": ("POST", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "m", "schema": {"type": "object", MARK * 1000: 1}}}), None, 400, "response_format"),
     "logit_bias_key_not_a_token_id": ("POST", CHAT, chat(logit_bias={MARK: 1}), None, 400, "logit_bias"),
     "logit_bias_out_of_range": ("POST", CHAT, chat(logit_bias={"7": 1000}), None, 400, "logit_bias.7"),
     "logit_bias_token_outside_vocab": ("POST", CHAT, chat(logit_bias={"4000000000": 1}), None, 400, "logit_bias"),

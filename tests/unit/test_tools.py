@@ -35,11 +35,12 @@ def takes(p, text: str) -> bool:
 @pytest.mark.parametrize("tools,choice,param,says", [
     ([WEATHER], None, "tool_choice", '"auto"'),  # OpenAI's default with tools
     ([WEATHER], "auto", "tool_choice", "parser"),
-    ([WEATHER], {"type": "function", "function": {"name": "get_time"}}, "tool_choice", "'get_time'"),
+    ([WEATHER], {"type": "function", "function": {"name": "get_time"}}, "tool_choice", "not among the tools"),
     ([WEATHER], {"function": {"name": "get_weather"}}, "tool_choice", "must be"),
     ([WEATHER], "sometimes", "tool_choice", "must be"),
+    ([WEATHER], {"type": "function", "function": "get_weather"}, "tool_choice", "must be"),
     (None, "required", "tool_choice", "needs tools"),
-    ([WEATHER, WEATHER], "required", "tools", "twice"),
+    ([WEATHER, WEATHER], "required", "tools", "tools[1] has the name of an earlier tool"),
     ([{"type": "retrieval"}], "required", "tools", "tools[0]"),
     ([{"type": "function", "function": {"name": "bad name"}}], "required", "tools", "name"),
     ([NOW, {"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}], "required", "tools",
