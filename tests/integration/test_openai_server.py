@@ -345,3 +345,28 @@ def test_completion_logprobs_carry_text_offsets_streamed_or_not(stack):
     offsets = [o for p in parts for o in p["text_offset"]]
     assert len(tokens) == 8 and offsets == [sum(len(t) for t in tokens[:i]) for i in range(8)]
     assert "".join(tokens) == "".join(c["choices"][0]["text"] for c in chunks[:-1])
+
+
+def test_a_template_that_writes_tools_gets_them_and_earlier_calls_as_objects(tiny_model_paths):
+    """What reaches a tool-aware chat template (Llama 3.1's and Hermes' read tools and
+    tool_calls the same way): the request's tools, and earlier calls' arguments as objects."""
+    from cluster.engine.tokenizer import Tokenizer
+    from cluster.router.openai_server import OpenAIServer
+
+    tok = Tokenizer(str(tiny_model_paths["llama"]))
+    tok.hf.chat_template = (
+        "{% for t in tools or [] %}TOOL {{ t.function.name }} {{ t.function.parameters | tojson }}|{% endfor %}"
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+        "{% for c in m.tool_calls or [] %} CALL {{ c.function.name }} {{ c.function.arguments.n }}{% endfor %}"
+        "{% if m.tool_call_id %} FOR {{ m.tool_call_id }}{% endif %}|{% endfor %}")
+    assert tok.template_takes_tools
+    server = OpenAIServer(MODEL, tok, 1024, generate=None)  # prepare only: nothing is generated
+    history = [{"role": "user", "content": "n?"},
+               {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                                     "function": {"name": "f", "arguments": '{"n": 7, "ok": true}'}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "done"}]
+    p = server.prepare("chat", chat(messages=history, tools=TOOLS, tool_choice="required"))
+    prompt = tok.decode(p.children[0].prompt_ids)
+    assert prompt.startswith(f"TOOL f {json.dumps(F_PARAMS)}|TOOL g ")
+    assert prompt.endswith("|user: n?|assistant:  CALL f 7|tool: done FOR c1|") and "You can call" not in prompt
+    assert json.loads(p.params.json_schema)["type"] == "array"
