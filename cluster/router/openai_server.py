@@ -3,11 +3,13 @@ function (the decode pool, or an in-process decode server in tests), and shape r
 
     chat(body) / completions(body)
       → request schema (400 on anything invalid, 404 on an unknown model)
-      → prompt token ids (chat template for chat), limits checked against max_model_len
+      → prompt token ids (chat template for chat; tool calls: router/tools.py plans them and
+        holds the reply to their JSON), limits checked against max_model_len
       → n child requests "<id>-<j>" with seed + j, run concurrently (a completions batch of
         P prompts: P x n children, choice i*n + j is prompt i's sample j, as OpenAI orders them)
       → one response, or an SSE stream: role chunk, content chunks (several tokens per chunk
-        when the client is behind), a finish chunk per choice, usage when asked, [DONE]
+        when the client is behind; tool_calls deltas instead when calls were asked for), a
+        finish chunk per choice, usage when asked, [DONE]
 """
 
 from __future__ import annotations
