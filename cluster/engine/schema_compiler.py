@@ -5,6 +5,7 @@ to refuse what it cannot enforce (a 400 naming the keyword), and the engine comp
 
     compile_schema(schema) → SchemaRecognizer | SchemaError
     schema_recognizer(json_text) → the same, cached by the schema's text
+    schema_text(schema) → the schema as the compact JSON text requests carry, compiled (cached)
 
 Each schema object becomes one `Node`; `$ref`s resolve to the node of their target, so a
 recursive schema is a graph. A schema whose required properties refer back to themselves
@@ -40,6 +41,17 @@ def schema_recognizer(text: str) -> SchemaRecognizer:
     except RecursionError:
         raise SchemaError(f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels") from None
     return compile_schema(schema)
+
+
+def schema_text(schema: Any) -> str:
+    """`schema` (decoded JSON) as the compact text `SamplingParams.json_schema` carries, once its
+    recognizer compiles (cached, so the engine's compile of the same text is a lookup)."""
+    try:
+        text = json.dumps(schema, separators=(",", ":"), sort_keys=True)
+    except RecursionError:  # nested too deep even to print
+        raise SchemaError(f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels") from None
+    schema_recognizer(text)
+    return text
 
 
 def compile_schema(schema: Any) -> SchemaRecognizer:

@@ -11,14 +11,13 @@ router/tools.py); `response_format: {"type":
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
 from cluster.engine.json_schema import SchemaError
-from cluster.engine.schema_compiler import root_kinds, schema_recognizer
+from cluster.engine.schema_compiler import root_kinds, schema_recognizer, schema_text
 from cluster.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 MAX_N = 16
@@ -174,7 +173,7 @@ class _Sampling(_Strict):
         """The schema of a json_schema response_format as compact JSON text (checked first)."""
         if (self.response_format or {}).get("type") != "json_schema":
             return None
-        return json.dumps(self.response_format["json_schema"]["schema"], separators=(",", ":"), sort_keys=True)
+        return schema_text(self.response_format["json_schema"]["schema"])
 
     def check_response_format(self) -> None:
         kind = (self.response_format or {}).get("type", "text")
@@ -188,13 +187,10 @@ class _Sampling(_Strict):
                 raise APIError(400, "response_format.json_schema.name must be 1-64 of a-z A-Z 0-9 _ -",
                                param="response_format")
             try:
-                if root_kinds(schema_recognizer(self.json_schema)) != {"object"}:  # type: ignore[arg-type]
+                if root_kinds(schema_recognizer(schema_text(spec["schema"]))) != {"object"}:
                     raise SchemaError("the schema's root must be an object (\"type\": \"object\")")
             except SchemaError as exc:
                 raise APIError(400, f"response_format.json_schema.schema: {exc}", param="response_format") from None
-            except RecursionError:  # nested too deep even to print
-                raise APIError(400, "response_format.json_schema.schema nests too deeply",
-                               param="response_format") from None
         elif kind not in ("text", "json_object"):
             raise APIError(400, "response_format type must be \"text\", \"json_object\" or \"json_schema\"",
                            param="response_format")

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cluster.engine.json_schema import SchemaError
-from cluster.engine.schema_compiler import schema_recognizer
+from cluster.engine.schema_compiler import schema_text
 from cluster.router.protocol import APIError
 
 MAX_TOOLS = 128
@@ -112,8 +112,7 @@ def plan(tools: Any, tool_choice: Any, parallel_tool_calls: Any = True) -> ToolP
                             '{"type": "function", "function": {"name": …}} or "none"', param="tool_choice")
     params = {t["function"]["name"]: t["function"]["parameters"] for t in checked}
     if tool_choice == "required":
-        schema = _calls_schema(params, parallel_tool_calls)
-        return ToolPlan(checked, None, parallel_tool_calls, json.dumps(schema, separators=(",", ":"), sort_keys=True))
+        return ToolPlan(checked, None, parallel_tool_calls, schema_text(_calls_schema(params, parallel_tool_calls)))
     fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not (isinstance(tool_choice, dict) and tool_choice.get("type") == "function" and isinstance(name, str)):
@@ -121,7 +120,7 @@ def plan(tools: Any, tool_choice: Any, parallel_tool_calls: Any = True) -> ToolP
                             '"function": {"name": …}}', param="tool_choice")
     if name not in params:
         raise APIError(400, "tool_choice names a function that is not among the tools", param="tool_choice")
-    return ToolPlan(checked, name, False, json.dumps(params[name], separators=(",", ":"), sort_keys=True))
+    return ToolPlan(checked, name, False, schema_text(params[name]))
 
 
 def _check_tools(tools: Any) -> tuple[dict[str, Any], ...]:
@@ -141,11 +140,9 @@ def _check_tools(tools: Any) -> tuple[dict[str, Any], ...]:
         if not isinstance(params, dict) or params.get("type", "object") != "object":
             raise APIError(400, f"tools[{i}].function.parameters must be a JSON Schema of an object", param="tools")
         try:
-            schema_recognizer(json.dumps(params, separators=(",", ":"), sort_keys=True))
+            schema_text(params)
         except SchemaError as exc:
             raise APIError(400, f"tools[{i}].function.parameters: {exc}", param="tools") from None
-        except RecursionError:
-            raise APIError(400, f"tools[{i}].function.parameters nests too deeply", param="tools") from None
         entry = {"name": name, "parameters": params}
         if isinstance(fn.get("description"), str):
             entry["description"] = fn["description"]
