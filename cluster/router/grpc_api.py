@@ -67,7 +67,7 @@ def request_body(req: pb.GenerateRequest) -> tuple[str, dict[str, Any]]:
             raise APIError(400, "json_object and json_schema exclude each other", param="json_schema")
         try:
             schema = json.loads(req.json_schema)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested past what the parser takes
             raise APIError(400, "json_schema must be a JSON Schema as JSON text", param="json_schema") from None
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "grpc", "schema": schema}}
     if which == "chat":
