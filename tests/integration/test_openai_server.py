@@ -1,34 +1,16 @@
 """The OpenAI layer over real engines, in one process (no Ray): colocated, and disaggregated
-with the TCP connector over loopback. Shapes, limits, n, stop, streaming, cancellation."""
+with the TCP connector over loopback. Shapes, limits, n, stop, streaming, cancellation
+(structured output and tool calls: test_structured_output.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import pytest
 
 from cluster.router.protocol import APIError
-
-MODEL = "tiny"  # the served name of the `stack` fixture (tests/integration/conftest.py)
-
-
-def run(coro):
-    return asyncio.run(coro)
-
-
-def chat(**kw):
-    return {"model": MODEL, "messages": [{"role": "user", "content": "Say something."}], **kw}
-
-
-async def drain(stream) -> list[dict]:
-    out = []
-    async for line in stream:
-        assert line.startswith("data: ") and line.endswith("\n\n")
-        payload = line[len("data: "):].strip()
-        out.append(payload if payload == "[DONE]" else json.loads(payload))
-    return out
+from openai_helpers import MODEL, chat, drain, run
 
 
 def test_greedy_disaggregated_equals_colocated_and_blocks_return(stack):
@@ -229,103 +211,6 @@ def test_features_this_server_lacks_are_refused_by_name(stack, body, param):
     assert info.value.status == 400 and info.value.body()["error"]["param"] == param
 
 
-def test_json_mode_across_the_hand_off_equals_colocated_and_opens_an_object(stack):
-    body = chat(temperature=0, max_tokens=16, response_format={"type": "json_object"})
-
-    async def go():
-        return [await stack[name].chat(b) for name in ("disagg", "colocated")
-                for b in (body, {**body, "response_format": None})]
-
-    texts = [r["choices"][0]["message"]["content"] for r in run(go())]
-    disagg, disagg_plain, colocated, colocated_plain = texts
-    assert disagg == colocated and disagg_plain == colocated_plain
-    assert disagg.startswith("{") and not disagg_plain.startswith("{")
-
-
-def test_json_schema_across_the_hand_off_equals_colocated_and_is_a_value_of_the_schema(stack):
-    import jsonschema
-
-    schema = {"type": "object", "additionalProperties": False, "required": ["ok", "size", "n"],
-              "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["S", "M", "L"]}, "n": {"type": "integer"},
-                             "tags": {"type": "array", "items": {"type": "null"}, "maxItems": 2}}}
-    body = chat(temperature=0, max_tokens=120, response_format={
-        "type": "json_schema", "json_schema": {"name": "shape", "schema": schema, "strict": True}})
-
-    async def go():
-        return [await stack[name].chat(body) for name in ("disagg", "colocated")]
-
-    disagg, colocated = [r["choices"][0] for r in run(go())]
-    assert disagg["message"]["content"] == colocated["message"]["content"]
-    # the tiny random model, held to the schema; the reply ends where the value does
-    jsonschema.validate(json.loads(disagg["message"]["content"]), schema)
-    assert disagg["finish_reason"] == "stop" and disagg["message"]["content"].endswith("}")
-
-    refused = {**body, "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {
-        "type": "object", "properties": {"s": {"type": "string", "pattern": "^a+$"}}}}}}
-    with pytest.raises(APIError) as info:
-        run(stack["disagg"].chat(refused))
-    assert info.value.status == 400 and "'pattern' is not supported" in info.value.message
-
-
-def test_tools_with_tool_choice_none_and_text_response_format_are_plain_requests(stack):
-    tools = [{"type": "function", "function": {"name": "f"}}]
-    r = run(stack["disagg"].chat(chat(temperature=0, max_tokens=4, tools=tools, tool_choice="none",
-                                      response_format={"type": "text"})))
-    assert r["choices"][0]["finish_reason"] == "length"
-
-
-F_PARAMS = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
-            "required": ["n", "ok"], "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "f", "parameters": F_PARAMS}},
-         {"type": "function", "function": {"name": "g"}}]
-
-
-def test_a_named_tool_call_across_the_hand_off_equals_colocated_streamed_or_not(stack):
-    import jsonschema
-
-    body = chat(temperature=0, max_tokens=200, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "f"}})
-
-    async def go():
-        whole = [(await stack[name].chat(body))["choices"][0] for name in ("disagg", "colocated")]
-        return whole, await drain(await stack["disagg"].chat({**body, "stream": True}))
-
-    (disagg, colocated), chunks = run(go())
-    [call] = disagg["message"]["tool_calls"]
-    assert disagg["message"]["content"] is None and disagg["finish_reason"] == "stop"
-    assert call["function"]["name"] == "f" and call["function"] == colocated["message"]["tool_calls"][0]["function"]
-    jsonschema.validate(json.loads(call["function"]["arguments"]), F_PARAMS)
-    deltas = [tc for c in chunks[1:-1] for tc in c["choices"][0]["delta"].get("tool_calls", [])]
-    assert deltas[0]["id"].startswith("call_") and deltas[0]["function"]["name"] == "f"
-    streamed = "".join(d["function"]["arguments"] for d in deltas)
-    jsonschema.validate(json.loads(streamed), F_PARAMS)
-    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
-
-
-def test_required_tool_calls_are_calls_of_the_given_tools_in_every_choice(stack):
-    import jsonschema
-
-    body = chat(temperature=1.0, seed=5, n=2, max_tokens=200, tools=TOOLS, tool_choice="required",
-                parallel_tool_calls=False)
-
-    async def go():
-        return await stack["disagg"].chat(body), await drain(await stack["disagg"].chat({**body, "stream": True}))
-
-    whole, chunks = run(go())
-    streamed: dict[int, list] = {0: [], 1: []}
-    for c in chunks[1:-1]:
-        streamed[c["choices"][0]["index"]] += c["choices"][0]["delta"].get("tool_calls", [])
-    for choice in whole["choices"]:
-        for call in [tc["function"] for tc in choice["message"]["tool_calls"]] + [
-                tc["function"] for tc in streamed[choice["index"]]]:
-            jsonschema.validate(json.loads(call["arguments"]), F_PARAMS if call["name"] == "f" else {
-                "type": "object", "additionalProperties": False})
-        assert len(choice["message"]["tool_calls"]) == len(streamed[choice["index"]]) == 1
-        assert choice["finish_reason"] == "tool_calls"
-    with pytest.raises(APIError) as info:  # a reply held to calls cannot also be held to a format
-        run(stack["disagg"].chat({**body, "response_format": {"type": "json_object"}}))
-    assert info.value.param == "response_format"
-
-
 def test_completion_logprobs_carry_text_offsets_streamed_or_not(stack):
     body = {"model": MODEL, "prompt": "Once upon", "temperature": 0, "max_tokens": 8, "logprobs": 2}
 
@@ -345,28 +230,3 @@ def test_completion_logprobs_carry_text_offsets_streamed_or_not(stack):
     offsets = [o for p in parts for o in p["text_offset"]]
     assert len(tokens) == 8 and offsets == [sum(len(t) for t in tokens[:i]) for i in range(8)]
     assert "".join(tokens) == "".join(c["choices"][0]["text"] for c in chunks[:-1])
-
-
-def test_a_template_that_writes_tools_gets_them_and_earlier_calls_as_objects(tiny_model_paths):
-    """What reaches a tool-aware chat template (Llama 3.1's and Hermes' read tools and
-    tool_calls the same way): the request's tools, and earlier calls' arguments as objects."""
-    from cluster.engine.tokenizer import Tokenizer
-    from cluster.router.openai_server import OpenAIServer
-
-    tok = Tokenizer(str(tiny_model_paths["llama"]))
-    tok.hf.chat_template = (
-        "{% for t in tools or [] %}TOOL {{ t.function.name }} {{ t.function.parameters | tojson }}|{% endfor %}"
-        "{% for m in messages %}{{ m.role }}: {{ m.content }}"
-        "{% for c in m.tool_calls or [] %} CALL {{ c.function.name }} {{ c.function.arguments.n }}{% endfor %}"
-        "{% if m.tool_call_id %} FOR {{ m.tool_call_id }}{% endif %}|{% endfor %}")
-    assert tok.template_takes_tools
-    server = OpenAIServer(MODEL, tok, 1024, generate=None)  # prepare only: nothing is generated
-    history = [{"role": "user", "content": "n?"},
-               {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
-                                                     "function": {"name": "f", "arguments": '{"n": 7, "ok": true}'}}]},
-               {"role": "tool", "tool_call_id": "c1", "content": "done"}]
-    p = server.prepare("chat", chat(messages=history, tools=TOOLS, tool_choice="required"))
-    prompt = tok.decode(p.children[0].prompt_ids)
-    assert prompt.startswith(f"TOOL f {json.dumps(F_PARAMS)}|TOOL g ")
-    assert prompt.endswith("|user: n?|assistant:  CALL f 7|tool: done FOR c1|") and "You can call" not in prompt
-    assert json.loads(p.params.json_schema)["type"] == "array"
