@@ -40,10 +40,15 @@ async def within(awaitable: Any, deadline: float | None) -> Any:
     """Await it before the deadline, or cancel it (which aborts the requests behind it) and 408."""
     if deadline is None:
         return await awaitable
+    # Whose timeout it was is asked of the timer itself, never of a clock: uvloop (Serve's loop)
+    # fires timers off a cached, millisecond clock, up to ~1 ms before time.monotonic() reaches
+    # the deadline, and such a 408 used to come out as a 500.
+    timer = asyncio.timeout(max(0.0, deadline - time.monotonic()))
     try:
-        return await asyncio.wait_for(awaitable, max(0.0, deadline - time.monotonic()))
-    except asyncio.TimeoutError:
-        if time.monotonic() < deadline:  # a timeout from inside, not our deadline
+        async with timer:
+            return await awaitable
+    except TimeoutError:
+        if not timer.expired():  # a timeout from inside, not our deadline
             raise
         raise APIError(408, "the request's deadline passed before it completed", type_="timeout_error",
                        code="request_timeout") from None
