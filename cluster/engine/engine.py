@@ -41,7 +41,8 @@ class LLMEngine:
         limit = config.model.max_model_len or self.arch.max_position_embeddings
         if self.arch.sliding_window:  # no sliding-window attention: stay inside the window
             limit = min(limit, self.arch.sliding_window)
-        self.runner = ModelRunner(str(self.model_path), self.arch, config.model, config.cache, limit, config.seed)
+        self.runner = ModelRunner(str(self.model_path), self.arch, config.model, config.cache, limit,
+                                  config.seed, config.scheduler.max_num_seqs)
         bs = config.cache.block_size
         self.num_blocks = self.runner.num_blocks
         self.max_model_len = min(limit, self.num_blocks * bs)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from cluster.config import CacheConfig, ModelConfig
+from cluster.engine.cuda_graphs import DecodeGraphs
 from cluster.engine.kv_cache import allocate_kv_cache
 from cluster.engine.sampler import Logprob, sample
 from cluster.engine.scheduler import ScheduledChunk, StepPlan
@@ -36,7 +37,8 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model_path: str, arch: Architecture, model_config: ModelConfig,
-                 cache_config: CacheConfig, max_model_len: int, seed: int = 0) -> None:
+                 cache_config: CacheConfig, max_model_len: int, seed: int = 0,
+                 max_num_seqs: int = 64) -> None:
         self.device = pick_device(model_config.device)
         self.dtype = pick_dtype(model_config.dtype, self.device)
         self.ops = ops_for(self.device)
@@ -46,6 +48,10 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(arch, cache_config, self.dtype, self.device)
         self.generators: dict[str, torch.Generator] = {}
         self.default_generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.graphs = None  # decode-only steps from CUDA graphs (cluster/engine/cuda_graphs.py)
+        if self.device.type == "cuda" and not model_config.enforce_eager:
+            self.graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size, max_model_len,
+                                       max_num_seqs, capture=True)
 
     @property
     def num_blocks(self) -> int:
@@ -55,12 +61,17 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan, eos_token_ids: frozenset[int]) -> StepResult:
         chunks = sorted(plan.chunks, key=lambda c: c.num_tokens != 1)  # decodes first (stable)
-        input_ids, positions, meta, sample_rows = self._prepare(chunks)
-        hidden = self.model.forward(input_ids, positions, self.kv_cache, meta)
         samplers = [c for c in chunks if c.samples]
+        if self.graphs is not None and self.graphs.fits(len(chunks)) and chunks[-1].num_tokens == 1:
+            hidden = self.graphs.run([self._decode_row(c) for c in chunks])  # decodes only
+            if len(samplers) < len(chunks):
+                hidden = hidden[self._tensor([i for i, c in enumerate(chunks) if c.samples], torch.int64)]
+        else:
+            input_ids, positions, meta, sample_rows = self._prepare(chunks)
+            hidden = self.model.forward(input_ids, positions, self.kv_cache, meta)[sample_rows]
         if not samplers:
             return StepResult({}, {})
-        logits = self.model.logits(hidden[sample_rows])
+        logits = self.model.logits(hidden)
         reqs = [c.request for c in samplers]
         result = sample(
             logits,
@@ -113,6 +124,12 @@ class ModelRunner:
         )
         return (self._tensor(ids, torch.int64), self._tensor(pos, torch.int64), meta,
                 self._tensor(sample_rows, torch.int64))
+
+    def _decode_row(self, c: ScheduledChunk) -> tuple[int, int, int, int, list[int]]:
+        """A one-token chunk as (token id, position, slot, context length, block table)."""
+        bs, pos, blocks = self.block_size, c.start, c.request.block_ids
+        return (c.request.token_ids[pos], pos, blocks[pos // bs] * bs + pos % bs, pos + 1,
+                blocks[: pos // bs + 1])
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)

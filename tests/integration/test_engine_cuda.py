@@ -44,6 +44,29 @@ def test_cuda_fp32_gives_the_cpu_tokens_on_a_mixed_batch(tiny_model_paths, kind,
         have = torch.tensor([lp.sampled.logprob for lp in g.outputs[0].logprobs])
         torch.testing.assert_close(have, want, atol=1e-3, rtol=1e-3)
     assert llm.engine.stats()["blocks_in_use"] == 0
+    assert llm.engine.runner.graphs.steps > 0  # the decode-only steps were graph replays
+
+
+def test_graph_replays_give_the_eager_steps_tokens(tiny_model_paths):
+    """CUDA graphs (the default) against `enforce_eager`, both on CUDA, prompts joining one by
+    one so the decode batch takes sizes between the captured ones (padded) and mixed steps run
+    eagerly in between; then a batch as large as the largest graph."""
+    folder = str(tiny_model_paths["qwen2"])
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)
+    args = {"max_num_batched_tokens": 32, "max_num_seqs": 12}
+    eager = cuda_llm(folder, enforce_eager=True, **args)
+    assert eager.engine.runner.graphs is None
+    graphs = cuda_llm(folder, **args)
+    assert sorted(graphs.engine.runner.graphs.graphs) == [1, 2, 4, 8, 12]
+    for prompts in (mixed_prompts(), mixed_prompts() + mixed_prompts(4)):
+        expected, got = eager.generate(prompts, params), graphs.generate(prompts, params)
+        assert token_ids(got) == token_ids(expected)
+        for g, e in zip(got, expected):
+            want = torch.tensor([lp.sampled.logprob for lp in e.outputs[0].logprobs])
+            have = torch.tensor([lp.sampled.logprob for lp in g.outputs[0].logprobs])
+            torch.testing.assert_close(have, want, atol=1e-4, rtol=1e-4)
+    assert graphs.engine.runner.graphs.steps > 0
+    assert graphs.engine.stats()["blocks_in_use"] == 0
 
 
 @pytest.mark.parametrize("prefill_device,decode_device", [("cuda", "cpu"), ("cpu", "cuda")])
