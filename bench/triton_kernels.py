@@ -13,7 +13,7 @@ times both two ways:
                GPU work alone; null where the call cannot be captured (it syncs)
 
   store_kv       one decode step of 64 tokens and one 2,048-token prefill, one layer
-  paged_decode   64 sequences at 512 and 2,048 context tokens, bf16 and fp32
+  paged_decode   1 sequence at 4,096 and 64 at 512 and 2,048 context tokens, bf16 and fp32
   pack_kv        a 256/1k/4k-token request's blocks of all 30 layers into one buffer, bf16,
                  with GB/s (bytes read + written, from kernel time) beside a plain device copy
   unpack_kv      the inverse scatter
@@ -93,8 +93,8 @@ def attention_cases(gen: torch.Generator, repeats: int) -> list[dict]:
     for dtype in (torch.bfloat16, torch.float32):
         k_cache = torch.randn(NUM_BLOCKS, BS, HKV, D, generator=gen).to("cuda", dtype)
         v_cache = torch.randn(NUM_BLOCKS, BS, HKV, D, generator=gen).to("cuda", dtype)
-        for context in (512, 2048):
-            batch, width = 64, context // BS
+        for batch, context in ((1, 4096), (64, 512), (64, 2048)):
+            width = context // BS
             tables = torch.randperm(NUM_BLOCKS, generator=gen)[: batch * width].view(batch, width)
             tables, lens = tables.to("cuda", torch.int32), torch.full((batch,), context, dtype=torch.int32, device="cuda")
             lens[::2] -= BS // 2  # half the sequences end inside their last block
@@ -105,7 +105,7 @@ def attention_cases(gen: torch.Generator, repeats: int) -> list[dict]:
                 got, want = paged_decode_attention(*args), ref_paged_decode_attention(*args)
                 return (got.float() - want.float()).abs().max().item()
 
-            out.append(case(f"paged_decode {str(dtype).removeprefix('torch.')} 64 x {context}",
+            out.append(case(f"paged_decode {str(dtype).removeprefix('torch.')} {batch} x {context}",
                             lambda: paged_decode_attention(*args),
                             lambda: ref_paged_decode_attention(*args), check, repeats))
     return out

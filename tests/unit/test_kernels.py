@@ -59,6 +59,7 @@ def test_store_kv_accepts_strided_key_views():
     assert torch.equal(k_tri, k_ref) and torch.equal(v_tri, v_ref)
 
 
+@pytest.mark.parametrize("split_tokens", [512, 12])  # one split; several, some empty
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch,q_heads,kv_heads,dim,block_size", [
     (1, 1, 1, 8, 16),  # MHA, one block
@@ -66,7 +67,8 @@ def test_store_kv_accepts_strided_key_views():
     (4, 9, 3, 64, 16),  # SmolLM2-like group 3
     (2, 8, 1, 32, 8),  # MQA
 ])
-def test_paged_decode_attention_matches_reference(dtype, batch, q_heads, kv_heads, dim, block_size):
+def test_paged_decode_attention_matches_reference(dtype, batch, q_heads, kv_heads, dim, block_size,
+                                                  split_tokens):
     gen = torch.Generator().manual_seed(batch * 100 + q_heads)
     num_blocks = 20
     k_cache = _cache(num_blocks, block_size, kv_heads, dim, dtype, gen)
@@ -80,7 +82,7 @@ def test_paged_decode_attention_matches_reference(dtype, batch, q_heads, kv_head
     args = (k_cache, v_cache, tables.to(DEVICE, torch.int32), lens.to(DEVICE, torch.int32), scale)
 
     expected = ref_paged_decode_attention(query, *args)
-    actual = paged_decode_attention(query, *args)
+    actual = paged_decode_attention(query, *args, split_tokens=split_tokens)
     torch.testing.assert_close(actual, expected, **_tol(dtype))
 
 
