@@ -36,6 +36,15 @@ def token_ids(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
+def assert_same_greedy_replies(got, expected, tol: float) -> None:
+    """The same tokens, and each sampled token's logprob within `tol` (requests sampled with logprobs)."""
+    assert token_ids(got) == token_ids(expected)
+    for g, e in zip(got, expected):
+        want = torch.tensor([lp.sampled.logprob for lp in e.outputs[0].logprobs])
+        have = torch.tensor([lp.sampled.logprob for lp in g.outputs[0].logprobs])
+        torch.testing.assert_close(have, want, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
 def test_greedy_tokens_equal_hf_generate_on_tiny_random_models(kind, tiny_model_paths):
     folder = tiny_model_paths[kind]

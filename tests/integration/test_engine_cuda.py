@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from test_engine import mixed_prompts, token_ids
+from test_engine import assert_same_greedy_replies, mixed_prompts, token_ids
 
 from cluster import LLM, SamplingParams
 
@@ -38,11 +38,7 @@ def test_cuda_fp32_gives_the_cpu_tokens_on_a_mixed_batch(tiny_model_paths, kind,
     expected = LLM(folder, device="cpu", **engine_args).generate(mixed_prompts(), params)
     llm = cuda_llm(folder, **engine_args)
     got = llm.generate(mixed_prompts(), params)
-    assert token_ids(got) == token_ids(expected)
-    for g, e in zip(got, expected):
-        want = torch.tensor([lp.sampled.logprob for lp in e.outputs[0].logprobs])
-        have = torch.tensor([lp.sampled.logprob for lp in g.outputs[0].logprobs])
-        torch.testing.assert_close(have, want, atol=1e-3, rtol=1e-3)
+    assert_same_greedy_replies(got, expected, tol=1e-3)
     assert llm.engine.stats()["blocks_in_use"] == 0
     assert llm.engine.runner.graphs.steps > 0  # the decode-only steps were graph replays
 
@@ -59,12 +55,7 @@ def test_graph_replays_give_the_eager_steps_tokens(tiny_model_paths):
     graphs = cuda_llm(folder, **args)
     assert sorted(graphs.engine.runner.graphs.graphs) == [1, 2, 4, 8, 12]
     for prompts in (mixed_prompts(), mixed_prompts() + mixed_prompts(4)):
-        expected, got = eager.generate(prompts, params), graphs.generate(prompts, params)
-        assert token_ids(got) == token_ids(expected)
-        for g, e in zip(got, expected):
-            want = torch.tensor([lp.sampled.logprob for lp in e.outputs[0].logprobs])
-            have = torch.tensor([lp.sampled.logprob for lp in g.outputs[0].logprobs])
-            torch.testing.assert_close(have, want, atol=1e-4, rtol=1e-4)
+        assert_same_greedy_replies(graphs.generate(prompts, params), eager.generate(prompts, params), tol=1e-4)
     assert graphs.engine.runner.graphs.steps > 0
     assert graphs.engine.stats()["blocks_in_use"] == 0
 
