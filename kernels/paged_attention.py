@@ -17,6 +17,8 @@ the block table's width, not the context lengths, so a CUDA graph captures a fix
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -32,6 +34,7 @@ SPLIT_TOKENS = 256  # context positions per program, unless the batch alone fill
 PROGRAMS_PER_SM = 4  # ... which it does at batch x Hkv >= this x the GPU's multiprocessors
 
 
+@functools.cache  # called per layer per eager step
 def _multiprocessors(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None

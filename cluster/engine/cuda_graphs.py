@@ -47,7 +47,7 @@ class DecodeGraphs:
         self.host = torch.zeros(max_batch, _META + self.width, dtype=torch.int32, pin_memory=capture)
         self.host[:, :_META] = torch.tensor(PAD_ROW, dtype=torch.int32)
         self.rows = self.host.numpy()
-        self.inputs = self.host.to(kv_cache.device)
+        self.inputs = self.host.to(kv_cache.device, copy=True)  # a buffer of its own on CPU too
         self.copied = torch.cuda.Event() if capture else None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.steps = 0  # steps run through the static buffers

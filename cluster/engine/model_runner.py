@@ -63,8 +63,8 @@ class ModelRunner:
         chunks = sorted(plan.chunks, key=lambda c: c.num_tokens != 1)  # decodes first (stable)
         samplers = [c for c in chunks if c.samples]
         if self.graphs is not None and self.graphs.fits(len(chunks)) and chunks[-1].num_tokens == 1:
-            hidden = self.graphs.run([self._decode_row(c) for c in chunks])  # decodes only
-            if len(samplers) < len(chunks):
+            hidden = self.graphs.run([self._decode_row(c) for c in chunks])  # one-token chunks only
+            if len(samplers) < len(chunks):  # a one-token prefill chunk inside a prompt
                 hidden = hidden[self._tensor([i for i, c in enumerate(chunks) if c.samples], torch.int64)]
         else:
             input_ids, positions, meta, sample_rows = self._prepare(chunks)
