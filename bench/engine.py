@@ -9,6 +9,8 @@ script runs itself again with it: glibc reads it at start); --malloc-hugetlb 0 f
 
 Figures (median of --repeats):
   prefill_tok_s          prompt tokens / time to first token, one ~100-token prompt
+  prefill_scored_tok_s   the same prompt scored as lm-eval asks (prompt_logprobs=1, max_tokens 1;
+                         Tandem only)
   single_stream_ms_token decode time per token of one request (after its first token)
   stream{N}_tok_s        decode tokens / s with N concurrent requests (after all first tokens),
                          for each N of --streams (default 16)
@@ -54,8 +56,9 @@ def bench_tandem(args, prompt_len: int) -> dict:
     engine = llm.engine
     tok = engine.tokenizer
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
+    scored = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)  # lm-eval's loglikelihood
 
-    def run(prompts: list[list[int]]) -> tuple[float, float, int]:
+    def run(prompts: list[list[int]], params: SamplingParams = params) -> tuple[float, float, int]:
         """(time to all first tokens, decode time after that, decode tokens)"""
         for i, p in enumerate(prompts):
             engine.add_request(f"b{time.perf_counter_ns()}-{i}", p, params)
@@ -70,15 +73,16 @@ def bench_tandem(args, prompt_len: int) -> dict:
         return t1 - t0, time.perf_counter() - t1, tokens
 
     run(prompts_for(tok, 1, prompt_len))  # warm-up
-    prefill, single, multi = [], [], {s: [] for s in args.streams}
+    prefill, single, multi, scoring = [], [], {s: [] for s in args.streams}, []
     for r in range(args.repeats):
         ttft, dec, n = run(prompts_for(tok, 1, prompt_len))
         prefill.append(prompt_len / ttft)
+        scoring.append(prompt_len / run(prompts_for(tok, 1, prompt_len), scored)[0])
         single.append(dec / n * 1000)
         for streams in args.streams:
             _, dec, n = run(prompts_for(tok, streams, 32))
             multi[streams].append(n / dec)
-    return _summary(prefill, single, multi)
+    return {**_summary(prefill, single, multi), "prefill_scored_tok_s": round(statistics.median(scoring), 1)}
 
 
 def bench_hf(args, model_path, prompt_len: int) -> dict:

@@ -82,9 +82,10 @@ class LLM:
 
 
 def _child_params(p: SamplingParams, j: int) -> SamplingParams:
-    """The j-th of n samples: its own seed (seed + j) so samples differ but stay reproducible."""
+    """The j-th of n samples: its own seed (seed + j) so samples differ but stay reproducible;
+    the first one alone scores the prompt (prompt_logprobs), which the n samples share."""
     seed = None if p.seed is None else p.seed + j
-    return dataclasses.replace(p, n=1, seed=seed)
+    return dataclasses.replace(p, n=1, seed=seed, prompt_logprobs=p.prompt_logprobs if j == 0 else None)
 
 
 def _merge(prompts: list[Prompt], children: dict[str, tuple[int, int]],
@@ -97,7 +98,7 @@ def _merge(prompts: list[Prompt], children: dict[str, tuple[int, int]],
         if merged[i] is None:
             prompt = prompts[i] if isinstance(prompts[i], str) else None
             merged[i] = RequestOutput(f"{i}", out.prompt_token_ids, [completion], True, prompt,
-                                      out.num_cached_tokens)
+                                      out.num_cached_tokens, prompt_logprobs=out.prompt_logprobs)
         else:
             merged[i].outputs.append(completion)  # type: ignore[union-attr]
     return [m for m in merged if m is not None]

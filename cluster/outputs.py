@@ -40,6 +40,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     time: float = 0.0  # time.monotonic() when the engine produced it
     queue_s: float | None = None  # how long the request waited for its first step on this engine
+    # when asked for (`SamplingParams.prompt_logprobs`): one per prompt token, None for the first
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class PrefillResult:
     first_token: int
     first_logprobs: TokenLogprobs | None
     block_ids: list[int]
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.., when asked for
 
 
 @dataclass
@@ -71,6 +74,7 @@ class TokenDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     trace: dict | None = None  # on a request's last delta: where and how long each part took
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # on the delta with the first token
 
     @classmethod
     def merge(cls, outs: list[RequestOutput]) -> TokenDelta:
@@ -79,5 +83,7 @@ class TokenDelta:
         done = last.outputs[0]
         token_ids = [t for o in outs for t in o.outputs[0].delta_token_ids]
         logprobs = done.logprobs[len(done.logprobs) - len(token_ids):] if done.logprobs is not None else None
+        first = bool(token_ids) and len(token_ids) == len(done.token_ids)  # the request's first delta
         return cls("".join(o.outputs[0].delta_text for o in outs), token_ids, logprobs,
-                   done.finish_reason, done.stop_reason, len(last.prompt_token_ids), last.num_cached_tokens)
+                   done.finish_reason, done.stop_reason, len(last.prompt_token_ids), last.num_cached_tokens,
+                   prompt_logprobs=last.prompt_logprobs if first else None)

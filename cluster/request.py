@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from cluster.engine.json_mode import JsonConstraint
+from cluster.outputs import TokenLogprobs
 from cluster.sampling_params import SamplingParams
 
 
@@ -64,6 +65,7 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     constraint: JsonConstraint | None = None  # JSON mode: the sampler keeps the output valid JSON
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens 1.. so far
 
     def __post_init__(self) -> None:
         if self.ready_at < 0:
@@ -90,6 +92,13 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asked for prompt logprobs and not all of them are known yet (their positions must be
+        computed here, so no prefix-cache hits)."""
+        return (self.params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

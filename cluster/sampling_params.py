@@ -18,7 +18,9 @@ class SamplingParams:
 
     temperature == 0 means greedy. `seed` makes a request's random sampling reproducible
     regardless of what else is in the batch. `logprobs=k` returns the sampled token's
-    logprob plus the top-k alternatives (k may be 0). Stop strings are matched across
+    logprob plus the top-k alternatives (k may be 0); `prompt_logprobs=k` the same for each
+    prompt token after the first, from the model's own logits at the position before it (the
+    whole prompt is computed: no prefix-cache hits for such a request). Stop strings are matched across
     token boundaries and are not included in the output text. `logit_bias` adds a bias in
     [-100, 100] to the logits of the token ids it names before sampling (-100 bans a token in
     practice, 100 all but forces it), as OpenAI's `logit_bias`. `json_object` constrains the
@@ -45,6 +47,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids unique
     json_object: bool = False
@@ -104,6 +107,9 @@ class SamplingParams:
             raise bad("stop_token_ids must be non-negative token ids")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise bad(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise bad(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
         for token, bias in self.logit_bias:

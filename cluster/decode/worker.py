@@ -58,7 +58,8 @@ class DecodeWorker:
         if handoff.finished:  # nothing was sent: the first token's own stop check ends R here
             self.connector.cancel(request_id)
             return self.engine.finish_remote(request_id, ok=False, first_token=handoff.first_token,
-                                             first_logprobs=handoff.first_logprobs, recompute=True)
+                                             first_logprobs=handoff.first_logprobs,
+                                             prompt_logprobs=handoff.prompt_logprobs, recompute=True)
         try:
             if error is not None:
                 raise error
@@ -69,6 +70,7 @@ class DecodeWorker:
             self.counters[f"kv_failed_{exc.kind}"] += 1
             out = self.engine.finish_remote(request_id, ok=False, first_token=handoff.first_token,
                                             first_logprobs=handoff.first_logprobs,
+                                            prompt_logprobs=handoff.prompt_logprobs,
                                             recompute=self.policy == "recompute")
             if self.policy == "fail":
                 raise
@@ -76,7 +78,8 @@ class DecodeWorker:
             return out
         self.counters["kv_landed"] += 1
         return self.engine.finish_remote(request_id, ok=True, first_token=handoff.first_token,
-                                         first_logprobs=handoff.first_logprobs)
+                                         first_logprobs=handoff.first_logprobs,
+                                         prompt_logprobs=handoff.prompt_logprobs)
 
     def abandon(self, request_id: str) -> None:
         """The prefill side never produced R's first token: recompute from the prompt, or drop R."""

@@ -86,6 +86,8 @@ class LLMEngine:
         if plan.is_empty:
             return []
         result = self.runner.execute(plan, self.eos_token_ids)
+        for chunk in plan.chunks:
+            chunk.request.prompt_logprobs.extend(result.prompt_logprobs.get(chunk.request.request_id, ()))
         self.scheduler.update(plan, result.sampled)
         outputs = []
         for chunk in plan.chunks:
@@ -120,7 +122,8 @@ class LLMEngine:
         )
         result = RequestOutput(req.request_id, req.prompt_token_ids, [out], req.is_finished,
                                self._prompts.get(req.request_id), req.num_cached_tokens, time.monotonic(),
-                               req.queue_s)
+                               req.queue_s,
+                               None if req.params.prompt_logprobs is None else [None, *req.prompt_logprobs])
         if not req.prefill_only:  # a prefill-only request's token reaches its caller through decode
             self.counters["generation_tokens"] += len(new_tokens)
             if out.finish_reason is not None:
@@ -137,8 +140,9 @@ class LLMEngine:
             raise KeyError(f"{request_id!r} holds no prefilled KV")
         lps = self._logprobs.get(request_id) or [None]
         self._forget(request_id)
+        scores = req.prompt_logprobs if req.params.prompt_logprobs is not None else None
         return PrefillResult(request_id, req.prompt_token_ids, req.output_token_ids[0], lps[0],
-                             list(req.block_ids))
+                             list(req.block_ids), scores)
 
     def export_kv(self, request_id: str) -> torch.Tensor:
         req = self.scheduler.held[request_id]
@@ -166,15 +170,19 @@ class LLMEngine:
 
     def finish_remote(self, request_id: str, ok: bool, first_token: int | None = None,
                       first_logprobs: TokenLogprobs | None = None,
-                      recompute: bool = True) -> RequestOutput | None:
+                      recompute: bool = True,
+                      prompt_logprobs: list[TokenLogprobs] | None = None) -> RequestOutput | None:
         """KV landed (ok) or failed: join the batch, recompute locally, or fail.
 
         `first_token` is the token the prefill side sampled; with it the request continues
         from there (after recomputing the prompt's KV if `ok` is False). Without it (the
         prefill itself failed) a recompute starts from the prompt. Returns the output that
         carries the first token (or the failure), None when nothing is known yet.
+        `prompt_logprobs`: the prefill side's, for prompt tokens 1.. (a recompute then skips them).
         """
         req = self.scheduler.remote[request_id]
+        if prompt_logprobs is not None:
+            req.prompt_logprobs = list(prompt_logprobs)
         if first_token is not None:
             req.token_ids.append(first_token)
             if first_logprobs is not None:

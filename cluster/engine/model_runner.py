@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -14,7 +14,10 @@ from cluster.engine.scheduler import ScheduledChunk, StepPlan
 from cluster.models.architecture import Architecture
 from cluster.models.attention import AttentionMetadata, PrefillChunk, cpu_decode_index
 from cluster.models.loader import load_model
+from cluster.outputs import TokenLogprobs
 from kernels import ops_for
+
+PROMPT_LOGPROB_ROWS = 256  # prompt positions per LM-head pass (256 x 49k vocab fp32 = 50 MB of logits)
 
 
 def pick_device(name: str) -> torch.device:
@@ -33,6 +36,8 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 class StepResult:
     sampled: dict[str, int]
     logprobs: dict[str, tuple[Logprob, list[Logprob]]]
+    # per request asking for prompt logprobs: the entries that continue its `prompt_logprobs`
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -62,15 +67,21 @@ class ModelRunner:
     def execute(self, plan: StepPlan, eos_token_ids: frozenset[int]) -> StepResult:
         chunks = sorted(plan.chunks, key=lambda c: c.num_tokens != 1)  # decodes first (stable)
         samplers = [c for c in chunks if c.samples]
-        if self.graphs is not None and self.graphs.fits(len(chunks)) and chunks[-1].num_tokens == 1:
+        scoring = any(c.request.needs_prompt_logprobs for c in chunks)
+        prompt_lps: dict[str, list[TokenLogprobs]] = {}
+        if (self.graphs is not None and self.graphs.fits(len(chunks)) and chunks[-1].num_tokens == 1
+                and not scoring):
             hidden = self.graphs.run([self._decode_row(c) for c in chunks])  # one-token chunks only
             if len(samplers) < len(chunks):  # a one-token prefill chunk inside a prompt
                 hidden = hidden[self._tensor([i for i, c in enumerate(chunks) if c.samples], torch.int64)]
         else:
             input_ids, positions, meta, sample_rows = self._prepare(chunks)
-            hidden = self.model.forward(input_ids, positions, self.kv_cache, meta)[sample_rows]
+            hidden = self.model.forward(input_ids, positions, self.kv_cache, meta)
+            if scoring:
+                prompt_lps = self._prompt_logprobs(chunks, hidden)
+            hidden = hidden[sample_rows]
         if not samplers:
-            return StepResult({}, {})
+            return StepResult({}, {}, prompt_lps)
         logits = self.model.logits(hidden)
         reqs = [c.request for c in samplers]
         result = sample(
@@ -84,7 +95,47 @@ class ModelRunner:
         )
         sampled = {r.request_id: t for r, t in zip(reqs, result.token_ids)}
         logprobs = {r.request_id: lp for r, lp in zip(reqs, result.logprobs) if lp is not None}
-        return StepResult(sampled, logprobs)
+        return StepResult(sampled, logprobs, prompt_lps)
+
+    def _prompt_logprobs(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> dict[str, list[TokenLogprobs]]:
+        """For each chunk whose request wants prompt logprobs: position p's logits (rows of
+        `hidden`, in `_prepare`'s order) scored against prompt token p + 1, for the positions
+        not scored before (a recompute after preemption repeats none) up to the prompt's
+        second-to-last (the last one's logits are the sampler's)."""
+        rows: list[int] = []
+        targets: list[int] = []
+        owners: list[tuple[str, int, int]] = []  # (request id, how many rows, top-k)
+        offset = 0
+        for c in chunks:
+            req = c.request
+            if req.needs_prompt_logprobs:
+                first = max(c.start, len(req.prompt_logprobs))
+                last = min(c.start + c.num_tokens, req.num_prompt_tokens - 1)
+                rows.extend(range(offset + first - c.start, offset + last - c.start))
+                targets.extend(req.prompt_token_ids[first + 1: last + 1])
+                owners.append((req.request_id, max(0, last - first), req.params.prompt_logprobs or 0))
+            offset += c.num_tokens
+        max_k = max(k for _, _, k in owners)
+        scored: list[float] = []
+        top_lps: list[list[float]] = []
+        top_ids: list[list[int]] = []
+        for s in range(0, len(rows), PROMPT_LOGPROB_ROWS):
+            part = self._tensor(rows[s:s + PROMPT_LOGPROB_ROWS], torch.int64)
+            lp = torch.log_softmax(self.model.logits(hidden[part]), dim=-1)
+            tgt = self._tensor(targets[s:s + PROMPT_LOGPROB_ROWS], torch.int64)
+            scored += lp.gather(1, tgt[:, None]).squeeze(1).tolist()
+            if max_k:
+                values, ids = lp.topk(max_k, dim=-1)
+                top_lps += values.tolist()
+                top_ids += ids.tolist()
+        out: dict[str, list[TokenLogprobs]] = {}
+        i = 0
+        for rid, n, k in owners:
+            out[rid] = [TokenLogprobs(Logprob(targets[j], scored[j]),
+                                      [Logprob(a, b) for a, b in zip(top_ids[j][:k], top_lps[j][:k])] if k else [])
+                        for j in range(i, i + n)]
+            i += n
+        return out
 
     def _prepare(self, chunks: list[ScheduledChunk]):
         bs = self.block_size

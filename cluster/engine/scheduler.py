@@ -127,7 +127,7 @@ class Scheduler:
     def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            cached = self.blocks.find_cached_prefix(req)
+            cached = [] if req.needs_prompt_logprobs else self.blocks.find_cached_prefix(req)
             num_cached = len(cached) * self.blocks.block_size
             n = req.num_tokens - num_cached
             if n > budget:

@@ -38,6 +38,7 @@ class PrefillHandoff:
     prefill_s: float = 0.0  # on the prefill replica: queued + computed + sent
     kv_send_s: float = 0.0  # of which moving the KV (the connector's send)
     kv_bytes: int = 0
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.., when asked for
 
 
 class PrefillCancelled(Exception):
@@ -76,7 +77,8 @@ class PrefillWorker:
         if done.finish_reason is not None:  # ended on its first token: nothing held
             return PrefillHandoff(request_id, done.token_ids[0], (done.logprobs or [None])[0],
                                   finished=True, finish_reason=done.finish_reason,
-                                  num_prompt_tokens=len(out.prompt_token_ids))
+                                  num_prompt_tokens=len(out.prompt_token_ids),
+                                  prompt_logprobs=None if out.prompt_logprobs is None else out.prompt_logprobs[1:])
         result = engine.take_prefilled(request_id)
         payload = engine.export_kv(request_id)
         sending = time.monotonic()
@@ -89,7 +91,8 @@ class PrefillWorker:
         self.leases[request_id] = self.clock() + self.lease_s
         return PrefillHandoff(request_id, result.first_token, result.first_logprobs, receipt,
                               num_prompt_tokens=len(result.prompt_token_ids),
-                              kv_send_s=time.monotonic() - sending, kv_bytes=payload.numel() * payload.element_size())
+                              kv_send_s=time.monotonic() - sending, kv_bytes=payload.numel() * payload.element_size(),
+                              prompt_logprobs=result.prompt_logprobs)
 
     def ack(self, request_id: str) -> bool:
         """The decode side is done with R's KV (landed or given up): free R's blocks."""

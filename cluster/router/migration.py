@@ -10,7 +10,8 @@ on another decode replica from where the client is, with nothing lost or repeate
                                chunk after the first byte, an HTTP error before it)
 
 What carries over exactly: the token sequence, so greedy requests continue exactly as they
-would have, and JSON mode's place in the object. What does not: a seeded sampler's random
+would have, and JSON mode's place in the object (prompt scores went out with the first delta,
+so a moved request does not score its new prompt). What does not: a seeded sampler's random
 state (the continuation is a valid sample, not the same one), penalties' counts of the tokens
 sent before the move (they become prompt), and a stop string that straddles the move. Plain
 object: no Ray here; `is_lost` says which exceptions mean "the replica is gone".
@@ -65,6 +66,7 @@ def _remaining(params: SamplingParams, sent: int) -> SamplingParams | None:
         max_tokens=None if params.max_tokens is None else params.max_tokens - sent,
         min_tokens=max(0, params.min_tokens - sent),
         prior_output_tokens=sent,
+        prompt_logprobs=None if sent else params.prompt_logprobs,  # the first delta carried them
     )
 
 

@@ -10,6 +10,9 @@ function (the decode pool, or an in-process decode server in tests), and shape r
       → one response, or an SSE stream: role chunk, content chunks (several tokens per chunk
         when the client is behind; tool_calls deltas instead when calls were asked for), a
         finish chunk per choice, usage when asked, [DONE]
+      completions `echo`: each choice's text (and, with `logprobs`, its logprobs) starts with
+        its prompt's; the prompt's are scored by the engine (`prompt_logprobs`) with the first
+        token's logprob null, as OpenAI's legacy API returns them
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any, AsyncIterator, Callable, NamedTuple
 
 from pydantic import ValidationError
 
-from cluster.outputs import TokenDelta, TokenLogprobs
+from cluster.outputs import Logprob, TokenDelta, TokenLogprobs
 from cluster.router.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                      validation_message)
 from cluster.router.streams import SSEStream, deadline_after, merge_samples, within
@@ -41,6 +44,7 @@ class _Choice:
     logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class Child(NamedTuple):
@@ -61,6 +65,10 @@ class Prepared:
     children: list[Child]  # in choice order
     prompt_tokens: int  # usage: every prompt's tokens, once each (n samples share their prompt)
     tools: ToolPlan | None = None  # chat: the calls the reply is held to (router/tools.py)
+    echo: list[str] | None = None  # completions with echo: per prompt, the text each choice starts with
+
+    def echo_of(self, choice: int) -> str | None:
+        return None if self.echo is None else self.echo[choice // self.request.n]
 
 
 class OpenAIServer:
@@ -124,10 +132,14 @@ class OpenAIServer:
         per_prompt = [req.sampling_params(limit, req.requested_logprobs(), bias) for limit in limits]
         if tools is not None:
             per_prompt = [dataclasses.replace(ps, json_schema=tools.schema) for ps in per_prompt]
+        echo = None
+        if kind == "text" and req.echo:
+            echo = [p if isinstance(p, str) else self.tokenizer.hf.decode(p) for p in req.prompts()]
+            per_prompt = [dataclasses.replace(ps, prompt_logprobs=req.requested_prompt_logprobs()) for ps in per_prompt]
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         children = [Child(f"{rid}-{i * req.n + j}", ids, dataclasses.replace(ps, seed=_child_seed(ps.seed, j)))
                     for i, (ids, ps) in enumerate(zip(prompts, per_prompt)) for j in range(req.n)]
-        return Prepared(kind, req, per_prompt[0], rid, children, sum(len(ids) for ids in prompts), tools)
+        return Prepared(kind, req, per_prompt[0], rid, children, sum(len(ids) for ids in prompts), tools, echo)
 
     def _completion_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -168,6 +180,10 @@ class OpenAIServer:
         req, params, created = p.request, p.params, int(self.clock())
         if not req.stream:
             choices = await within(asyncio.gather(*(self._collect(c) for c in p.children)), deadline)
+            for i, (child, c) in enumerate(zip(p.children, choices)):
+                if p.echo is not None:
+                    c.text = p.echo_of(i) + c.text
+                    c.logprobs = _prompt_entries(child.prompt_ids, c.prompt_logprobs) + c.logprobs
             return self._response(p.kind, p.request_id, created, choices, p.prompt_tokens,
                                   params.logprobs is not None, p.tools)
         merged = self.samples(p)
@@ -177,8 +193,7 @@ class OpenAIServer:
             await merged.aclose()
             raise
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        lines = self._stream(p.kind, p.request_id, created, len(p.children), p.prompt_tokens, first, merged,
-                             include_usage, params.logprobs is not None, deadline, p.tools)
+        lines = self._stream(p, created, first, merged, include_usage, deadline)
         return SSEStream(lines, merged)
 
     async def _collect(self, child: Child) -> _Choice:
@@ -189,6 +204,8 @@ class OpenAIServer:
                 choice.token_ids += d.token_ids
                 choice.logprobs += d.logprobs or []
                 choice.finish_reason, choice.stop_reason = d.finish_reason, d.stop_reason
+                if d.prompt_logprobs is not None:
+                    choice.prompt_logprobs = d.prompt_logprobs
         return choice
 
     # -- shapes ----------------------------------------------------------------------
@@ -208,16 +225,18 @@ class OpenAIServer:
                 "created": created, "model": self.model_name, "choices": out,
                 "usage": _usage(num_prompt, completion)}
 
-    async def _stream(self, kind: str, rid: str, created: int, n: int, num_prompt: int,
-                      first: tuple[int, TokenDelta], rest: AsyncIterator[tuple[int, TokenDelta]],
-                      include_usage: bool, with_logprobs: bool, deadline: float | None,
-                      tools: ToolPlan | None = None) -> AsyncIterator[str]:
+    async def _stream(self, p: Prepared, created: int, first: tuple[int, TokenDelta],
+                      rest: AsyncIterator[tuple[int, TokenDelta]], include_usage: bool,
+                      deadline: float | None) -> AsyncIterator[str]:
+        kind, rid, n, tools = p.kind, p.request_id, len(p.children), p.tools
+        with_logprobs = p.params.logprobs is not None
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         base = {"id": rid, "object": obj, "created": created, "model": self.model_name}
         extra = {"usage": None} if include_usage else {}
         completion_tokens = 0
         offsets = [0] * n  # per choice: where its next token starts in its text (completions logprobs)
         calls = [CallStream(tools) for _ in range(n)] if tools is not None else None
+        echoed = [False] * n
 
         def chunk(choices: list[dict[str, Any]]) -> str:
             return f"data: {json.dumps({**base, 'choices': choices, **extra}, ensure_ascii=False)}\n\n"
@@ -232,6 +251,10 @@ class OpenAIServer:
                 completion_tokens += len(d.token_ids)
                 entries, finish = d.logprobs or [], d.finish_reason
                 body = ({"delta": {"content": d.text} if d.text else {}} if kind == "chat" else {"text": d.text})
+                if p.echo is not None and not echoed[j]:  # the choice's first chunk starts with its prompt
+                    echoed[j] = True
+                    body = {"text": p.echo_of(j) + d.text}
+                    entries = _prompt_entries(p.children[j].prompt_ids, d.prompt_logprobs) + entries
                 if calls is not None:
                     delta, entries, finish = calls[j].step(d.text, entries, finish)
                     body = {"delta": delta or {}}
@@ -254,7 +277,8 @@ class OpenAIServer:
         finally:
             await rest.aclose()
         if include_usage:
-            yield f"data: {json.dumps({**base, 'choices': [], 'usage': _usage(num_prompt, completion_tokens)})}\n\n"
+            usage = _usage(p.prompt_tokens, completion_tokens)
+            yield f"data: {json.dumps({**base, 'choices': [], 'usage': usage})}\n\n"
         yield "data: [DONE]\n\n"
 
     def _logprobs(self, kind: str, entries: list[TokenLogprobs], offset: int = 0) -> dict[str, Any]:
@@ -269,8 +293,17 @@ class OpenAIServer:
         tokens = [piece(e.sampled.token_id) for e in entries]
         starts = list(itertools.accumulate([offset] + [len(t) for t in tokens[:-1]]))[: len(tokens)]
         return {"tokens": tokens, "token_logprobs": [e.sampled.logprob for e in entries],
-                "top_logprobs": [{piece(t.token_id): t.logprob for t in e.top} for e in entries],
+                "top_logprobs": [None if e.top is None else {piece(t.token_id): t.logprob for t in e.top}
+                                 for e in entries],
                 "text_offset": starts}
+
+
+def _prompt_entries(prompt_ids: list[int], scored: list[TokenLogprobs | None] | None) -> list[TokenLogprobs]:
+    """An echoed prompt's logprob entries: the first token's logprob and alternatives null
+    (nothing precedes it), then the engine's scores; none when logprobs were not asked for."""
+    if scored is None:
+        return []
+    return [TokenLogprobs(Logprob(prompt_ids[0], None), None), *scored[1:]]  # type: ignore[arg-type]
 
 
 def _child_seed(seed: int | None, j: int) -> int | None:

@@ -3,7 +3,7 @@
 Unknown fields are ignored, as OpenAI and vLLM do; fields that only Tandem's internals
 set (KV-transfer parameters and the like) are therefore never read from a client. Known
 OpenAI features this server does not implement (tool_choice "auto", `functions`, `suffix`,
-`best_of`, `echo`) are refused with a 400 naming them, never silently dropped (tool calls:
+`best_of`) are refused with a 400 naming them, never silently dropped (tool calls:
 router/tools.py); `response_format: {"type":
 "json_object"}` is JSON mode (engine/json_mode.py), `{"type": "json_schema"}` structured output
 (engine/json_schema.py: a schema keyword it cannot enforce is a 400 naming it).
@@ -297,8 +297,6 @@ class CompletionRequest(_Sampling):
 
     def check_supported(self) -> None:
         self.check_response_format()
-        if self.echo:
-            raise APIError(400, "echo is not supported", param="echo")
         if self.suffix:
             raise APIError(400, "suffix is not supported (no fill-in-the-middle)", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
@@ -312,6 +310,10 @@ class CompletionRequest(_Sampling):
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs
+
+    def requested_prompt_logprobs(self) -> int | None:
+        """`echo` with `logprobs`: the prompt's tokens are scored too (the first one has none)."""
+        return self.logprobs if self.echo else None
 
 
 def validation_message(exc: Any) -> tuple[str, str | None]:

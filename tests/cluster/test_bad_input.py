@@ -99,7 +99,6 @@ CASES = {
     "stop_token_ids_negative": ("POST", CHAT, chat(stop_token_ids=[-1]), None, 400, ...),
     "completion_token_id_outside_vocab": ("POST", COMP, completion(prompt=[1, 10**9]), None, 400, "prompt"),
     "completion_empty_prompt": ("POST", COMP, completion(prompt=""), None, 400, ...),
-    "completion_echo_unsupported": ("POST", COMP, completion(echo=True), None, 400, "echo"),
     "completion_suffix_unsupported": ("POST", COMP, completion(suffix=MARK), None, 400, "suffix"),
     "completion_best_of_unsupported": ("POST", COMP, completion(best_of=3), None, 400, "best_of"),
     "completion_batch_of_mixed_prompts": ("POST", COMP, completion(prompt=[MARK, [1, 2]]), None, 400, "prompt"),

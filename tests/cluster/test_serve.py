@@ -72,6 +72,13 @@ def test_disaggregated_app_end_to_end(serve_url):
                                   logit_bias={str(paris[0]): -100})
     assert banned.choices[0].text and not banned.choices[0].text.startswith(" Paris")
 
+    def loglikelihood(answer: str) -> float:  # lm-eval's request: echo + logprobs + max_tokens 1
+        scored = c.completions.create(model=model, prompt="The capital of France is" + answer, echo=True,
+                                      logprobs=1, max_tokens=1, temperature=0).choices[0]
+        assert scored.text.startswith("The capital of France is" + answer) and scored.logprobs.token_logprobs[0] is None
+        return scored.logprobs.token_logprobs[-2]  # the answer's own token (" Paris", " London": one token each)
+    assert loglikelihood(" Paris") > loglikelihood(" London") + 1.0
+
     cat = [{"role": "user", "content": "Give me a JSON object describing a cat with keys name, age and color."}]
     as_json = c.chat.completions.create(model=model, messages=cat, temperature=0, max_tokens=80,
                                         response_format={"type": "json_object"})

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from cluster.router.protocol import APIError
+from cluster.sampling_params import SamplingParams
 from openai_helpers import MODEL, chat, drain, run
 
 
@@ -230,3 +231,45 @@ def test_completion_logprobs_carry_text_offsets_streamed_or_not(stack):
     offsets = [o for p in parts for o in p["text_offset"]]
     assert len(tokens) == 8 and offsets == [sum(len(t) for t in tokens[:i]) for i in range(8)]
     assert "".join(tokens) == "".join(c["choices"][0]["text"] for c in chunks[:-1])
+
+
+
+def test_echo_scores_the_prompt_as_generation_scored_its_tokens(stack):
+    """lm-eval's loglikelihood request (echo + logprobs + max_tokens 1): the prompt comes back
+    scored, its first token null; a reply's tokens, sent back as prompt, score as they were
+    generated; both pools agree, streamed or not."""
+    colocated = stack["colocated"]
+    prompt = "Once upon a time"
+    prompt_ids = colocated.tokenizer.encode(prompt)
+    body = {"model": MODEL, "temperature": 0, "logprobs": 2, "echo": True, "ignore_eos": True}
+
+    async def go():
+        gen = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+        deltas = [d async for ds in colocated.generate("echo-gen", prompt_ids, gen) for d in ds]
+        reply = ([t for d in deltas for t in d.token_ids], [e.sampled.logprob for d in deltas for e in d.logprobs])
+        rescored = {name: await stack[name].completions({**body, "prompt": prompt_ids + reply[0], "max_tokens": 1})
+                    for name in ("colocated", "disagg")}
+        streamed = await drain(await stack["disagg"].completions({**body, "prompt": prompt, "max_tokens": 6,
+                                                                   "stream": True, "n": 2}))
+        return reply, rescored, streamed
+
+    (reply_ids, reply_lps), rescored, streamed = run(go())
+    n = len(prompt_ids)
+    for name, out in rescored.items():
+        choice = out["choices"][0]
+        lp = choice["logprobs"]
+        assert choice["text"].startswith(colocated.tokenizer.hf.decode(prompt_ids + reply_ids)), name
+        assert len(lp["tokens"]) == n + 6 + 1 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))]
+        assert lp["token_logprobs"][n:n + 6] == pytest.approx(reply_lps, abs=1e-4)
+        assert all(len(top) == 2 and max(top.values()) >= score - 1e-6
+                   for top, score in zip(lp["top_logprobs"][1:], lp["token_logprobs"][1:]))
+        assert out["usage"] == {"prompt_tokens": n + 6, "completion_tokens": 1, "total_tokens": n + 7}
+    for j in (0, 1):
+        parts = [c["choices"][0] for c in streamed[:-1] if c["choices"][0]["index"] == j]
+        assert parts[0]["text"].startswith(prompt)  # the choice's first chunk starts with the prompt
+        assert "".join(p["text"] for p in parts) == prompt + colocated.tokenizer.hf.decode(reply_ids)
+        scores = [x for p in parts if p["logprobs"] for x in p["logprobs"]["token_logprobs"]]
+        assert scores[0] is None and scores[n:] == pytest.approx(reply_lps, abs=1e-4)
+        rescored_prompt = rescored["colocated"]["choices"][0]["logprobs"]["token_logprobs"][1:n]
+        assert scores[1:n] == pytest.approx(rescored_prompt, abs=1e-4)
