@@ -70,6 +70,10 @@ class Prepared:
     def echo_of(self, choice: int) -> str | None:
         return None if self.echo is None else self.echo[choice // self.request.n]
 
+    @property
+    def echo_only(self) -> bool:
+        return self.kind == "text" and self.request.echo_only
+
 
 class OpenAIServer:
     def __init__(self, model_name: str, tokenizer: Any, max_model_len: int, generate: GenerateFn,
@@ -181,6 +185,8 @@ class OpenAIServer:
         if not req.stream:
             choices = await within(asyncio.gather(*(self._collect(c) for c in p.children)), deadline)
             for i, (child, c) in enumerate(zip(p.children, choices)):
+                if p.echo_only:  # the one token sampled after the prompt is not part of the reply
+                    c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason = "", [], [], "length", None
                 if p.echo is not None:
                     c.text = p.echo_of(i) + c.text
                     c.logprobs = _prompt_entries(child.prompt_ids, c.prompt_logprobs) + c.logprobs
@@ -248,6 +254,9 @@ class OpenAIServer:
             item: tuple[int, TokenDelta] | None = first
             while item is not None:
                 j, d = item
+                if p.echo_only:
+                    d = dataclasses.replace(d, text="", token_ids=[], logprobs=None, stop_reason=None,
+                                            finish_reason=d.finish_reason and "length")
                 completion_tokens += len(d.token_ids)
                 entries, finish = d.logprobs or [], d.finish_reason
                 body = ({"delta": {"content": d.text} if d.text else {}} if kind == "chat" else {"text": d.text})
@@ -261,7 +270,7 @@ class OpenAIServer:
                 lp = self._logprobs(kind, entries, offsets[j]) if with_logprobs else None
                 if lp is not None and kind == "text" and lp["tokens"]:
                     offsets[j] = lp["text_offset"][-1] + len(lp["tokens"][-1])
-                if (d.text or d.token_ids or finish) and (calls is None or delta is not None):
+                if (d.text or body.get("text") or d.token_ids or finish) and (calls is None or delta is not None):
                     yield chunk([{"index": j, **body, "logprobs": lp, "finish_reason": finish,
                                   **({"stop_reason": d.stop_reason} if finish else {})}])
                 item = await within(rest.__anext__(), deadline)

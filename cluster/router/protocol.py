@@ -270,6 +270,7 @@ class CompletionRequest(_Sampling):
     prompt: Union[str, list[StrictInt], list[str], list[list[StrictInt]]]
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool = False
+    max_tokens: StrictInt | None = Field(None, ge=0)  # 0: with echo only (the prompt scored, nothing generated)
     suffix: str | None = None
     best_of: StrictInt | None = None
 
@@ -304,8 +305,18 @@ class CompletionRequest(_Sampling):
         if len(self.prompts()) * self.n > MAX_CHOICES:
             raise APIError(400, f"{len(self.prompts())} prompts x n={self.n} exceeds {MAX_CHOICES} choices "
                                 "per request", param="prompt")
+        if self.max_tokens == 0 and (not self.echo or self.min_tokens):
+            raise APIError(400, "max_tokens 0 is for echo alone (the prompt scored, nothing generated; "
+                                "no min_tokens)", param="max_tokens")
+
+    @property
+    def echo_only(self) -> bool:
+        """`echo` with `max_tokens: 0`: the engine still samples one token, which is dropped."""
+        return self.echo and self.max_tokens == 0
 
     def requested_max_tokens(self) -> int | None:
+        if self.max_tokens == 0:
+            return 1
         return 16 if self.max_tokens is None else self.max_tokens  # OpenAI's completions default
 
     def requested_logprobs(self) -> int | None:

@@ -202,6 +202,7 @@ def test_logit_bias_steers_the_first_token_in_both_pools(stack):
     (chat(logit_bias={"1": 100.5}), "logit_bias.1"),
     ({"model": MODEL, "prompt": "x", "suffix": "y"}, "suffix"),
     ({"model": MODEL, "prompt": "x", "best_of": 2}, "best_of"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens"),  # 0 only with echo
     ({"model": MODEL, "prompt": ["x", [1, 2]]}, "prompt"),
     ({"model": MODEL, "prompt": ["x"] * 33, "n": 2}, "prompt"),
 ])
@@ -251,9 +252,12 @@ def test_echo_scores_the_prompt_as_generation_scored_its_tokens(stack):
                     for name in ("colocated", "disagg")}
         streamed = await drain(await stack["disagg"].completions({**body, "prompt": prompt, "max_tokens": 6,
                                                                    "stream": True, "n": 2}))
-        return reply, rescored, streamed
+        only = {"prompt": prompt_ids + reply[0], "max_tokens": 0}  # echo alone: the prompt scored, nothing more
+        echo_only = [await stack["disagg"].completions({**body, **only}),
+                     await drain(await stack["colocated"].completions({**body, **only, "stream": True}))]
+        return reply, rescored, streamed, echo_only
 
-    (reply_ids, reply_lps), rescored, streamed = run(go())
+    (reply_ids, reply_lps), rescored, streamed, (whole, chunks) = run(go())
     n = len(prompt_ids)
     for name, out in rescored.items():
         choice = out["choices"][0]
@@ -273,3 +277,13 @@ def test_echo_scores_the_prompt_as_generation_scored_its_tokens(stack):
         assert scores[0] is None and scores[n:] == pytest.approx(reply_lps, abs=1e-4)
         rescored_prompt = rescored["colocated"]["choices"][0]["logprobs"]["token_logprobs"][1:n]
         assert scores[1:n] == pytest.approx(rescored_prompt, abs=1e-4)
+    scored = rescored["colocated"]["choices"][0]["logprobs"]
+    text = colocated.tokenizer.hf.decode(prompt_ids + reply_ids)
+    assert whole["choices"][0]["text"] == text and whole["choices"][0]["finish_reason"] == "length"
+    assert whole["usage"]["completion_tokens"] == 0
+    assert whole["choices"][0]["logprobs"]["tokens"] == scored["tokens"][:-1]
+    assert whole["choices"][0]["logprobs"]["token_logprobs"][1:] == pytest.approx(scored["token_logprobs"][1:-1],
+                                                                                 abs=1e-4)
+    parts = [c["choices"][0] for c in chunks[:-1]]
+    assert "".join(p["text"] for p in parts) == text and parts[-1]["finish_reason"] == "length"
+    assert [t for p in parts if p["logprobs"] for t in p["logprobs"]["tokens"]] == scored["tokens"][:-1]
