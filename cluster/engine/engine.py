@@ -51,6 +51,7 @@ class LLMEngine:
         self.eos_token_ids = self.tokenizer.eos_token_ids
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._logprobs: dict[str, list[TokenLogprobs]] = {}
+        self._scores: dict[str, list[TokenLogprobs | None]] = {}  # see _prompt_scores
         self._prompts: dict[str, str | None] = {}
         self._ids = itertools.count()
         # prompt tokens admitted; tokens handed to callers; requests finished, by reason
@@ -122,8 +123,7 @@ class LLMEngine:
         )
         result = RequestOutput(req.request_id, req.prompt_token_ids, [out], req.is_finished,
                                self._prompts.get(req.request_id), req.num_cached_tokens, time.monotonic(),
-                               req.queue_s,
-                               None if req.params.prompt_logprobs is None else [None, *req.prompt_logprobs])
+                               req.queue_s, self._prompt_scores(req))
         if not req.prefill_only:  # a prefill-only request's token reaches its caller through decode
             self.counters["generation_tokens"] += len(new_tokens)
             if out.finish_reason is not None:
@@ -221,9 +221,22 @@ class LLMEngine:
         if req.output_token_ids:
             self._detok[req.request_id].add_tokens(req.output_token_ids)
 
+    def _prompt_scores(self, req: Request) -> list[TokenLogprobs | None] | None:
+        """A scored prompt's logprobs as outputs carry them ([None, ...]), built once they are
+        complete (not on every step's output)."""
+        if req.params.prompt_logprobs is None:
+            return None
+        scores = self._scores.get(req.request_id)
+        if scores is None:
+            scores = [None, *req.prompt_logprobs]
+            if not req.needs_prompt_logprobs:
+                self._scores[req.request_id] = scores
+        return scores
+
     def _forget(self, request_id: str) -> None:
         self._detok.pop(request_id, None)
         self._logprobs.pop(request_id, None)
+        self._scores.pop(request_id, None)
         self._prompts.pop(request_id, None)
         self.runner.forget(request_id)
 

@@ -9,7 +9,7 @@ import torch
 from cluster.config import CacheConfig, ModelConfig
 from cluster.engine.cuda_graphs import DecodeGraphs
 from cluster.engine.kv_cache import allocate_kv_cache
-from cluster.engine.sampler import Logprob, sample
+from cluster.engine.sampler import Logprob, sample, score_tokens
 from cluster.engine.scheduler import ScheduledChunk, StepPlan
 from cluster.models.architecture import Architecture
 from cluster.models.attention import AttentionMetadata, PrefillChunk, cpu_decode_index
@@ -104,37 +104,30 @@ class ModelRunner:
         second-to-last (the last one's logits are the sampler's)."""
         rows: list[int] = []
         targets: list[int] = []
-        owners: list[tuple[str, int, int]] = []  # (request id, how many rows, top-k)
+        ks: list[int] = []
+        owners: list[tuple[str, int]] = []  # (request id, how many rows)
         offset = 0
         for c in chunks:
             req = c.request
             if req.needs_prompt_logprobs:
                 first = max(c.start, len(req.prompt_logprobs))
                 last = min(c.start + c.num_tokens, req.num_prompt_tokens - 1)
-                rows.extend(range(offset + first - c.start, offset + last - c.start))
-                targets.extend(req.prompt_token_ids[first + 1: last + 1])
-                owners.append((req.request_id, max(0, last - first), req.params.prompt_logprobs or 0))
+                n = max(0, last - first)
+                rows.extend(range(offset + first - c.start, offset + first - c.start + n))
+                targets.extend(req.prompt_token_ids[first + 1: first + 1 + n])
+                ks.extend([req.params.prompt_logprobs or 0] * n)
+                owners.append((req.request_id, n))
             offset += c.num_tokens
-        max_k = max(k for _, _, k in owners)
-        scored: list[float] = []
-        top_lps: list[list[float]] = []
-        top_ids: list[list[int]] = []
+        entries: list[TokenLogprobs] = []
         for s in range(0, len(rows), PROMPT_LOGPROB_ROWS):
-            part = self._tensor(rows[s:s + PROMPT_LOGPROB_ROWS], torch.int64)
-            lp = torch.log_softmax(self.model.logits(hidden[part]), dim=-1)
-            tgt = self._tensor(targets[s:s + PROMPT_LOGPROB_ROWS], torch.int64)
-            scored += lp.gather(1, tgt[:, None]).squeeze(1).tolist()
-            if max_k:
-                values, ids = lp.topk(max_k, dim=-1)
-                top_lps += values.tolist()
-                top_ids += ids.tolist()
+            part = slice(s, s + PROMPT_LOGPROB_ROWS)
+            logits = self.model.logits(hidden[self._tensor(rows[part], torch.int64)])
+            scored = score_tokens(torch.log_softmax(logits, dim=-1), self._tensor(targets[part], torch.int64), ks[part])
+            entries += [TokenLogprobs(*e) for e in scored]
         out: dict[str, list[TokenLogprobs]] = {}
         i = 0
-        for rid, n, k in owners:
-            out[rid] = [TokenLogprobs(Logprob(targets[j], scored[j]),
-                                      [Logprob(a, b) for a, b in zip(top_ids[j][:k], top_lps[j][:k])] if k else [])
-                        for j in range(i, i + n)]
-            i += n
+        for rid, n in owners:
+            out[rid], i = entries[i:i + n], i + n
         return out
 
     def _prepare(self, chunks: list[ScheduledChunk]):

@@ -12,7 +12,7 @@ from cluster.engine.json_mode import JsonConstraint
 from cluster.outputs import Logprob
 from cluster.sampling_params import SamplingParams
 
-__all__ = ["Logprob", "SampleResult", "sample"]
+__all__ = ["Logprob", "SampleResult", "sample", "score_tokens"]
 
 _NEG_INF = float("-inf")
 _TOP_P_CANDIDATES = (256, 4096)  # then a full sort
@@ -299,13 +299,19 @@ def _collect_logprobs(raw: torch.Tensor | None, rows: list[int], tokens: torch.T
     out: list[tuple[Logprob, list[Logprob]] | None] = [None] * len(params)
     if raw is None:
         return out
-    sampled = tokens[_index(rows, raw)]
-    sampled_lp = raw.gather(1, sampled.unsqueeze(1)).squeeze(1).tolist()
-    max_k = max(params[i].logprobs or 0 for i in rows)
-    top_lp, top_ids = raw.topk(max_k, dim=-1) if max_k else (raw[:, :0], raw[:, :0].long())
-    top_lp_rows, top_id_rows = top_lp.tolist(), top_ids.tolist()
-    for j, (i, token) in enumerate(zip(rows, sampled.tolist())):
-        k = params[i].logprobs or 0
-        alternatives = [Logprob(t, lp) for t, lp in zip(top_id_rows[j][:k], top_lp_rows[j][:k])]
-        out[i] = (Logprob(token, sampled_lp[j]), alternatives)
+    scored = score_tokens(raw, tokens[_index(rows, raw)], [params[i].logprobs or 0 for i in rows])
+    for i, entry in zip(rows, scored):
+        out[i] = entry
     return out
+
+
+def score_tokens(logprobs: torch.Tensor, tokens: torch.Tensor,
+                 ks: Sequence[int]) -> list[tuple[Logprob, list[Logprob]]]:
+    """Per row of `logprobs` [R, V]: token `tokens[r]`'s logprob and the row's top `ks[r]`
+    alternatives, highest first (the sampler's logprobs, and the runner's prompt scores)."""
+    token_lp = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+    max_k = max(ks, default=0)
+    top_lp, top_ids = logprobs.topk(max_k, dim=-1) if max_k else (logprobs[:, :0], logprobs[:, :0].long())
+    top_lp_rows, top_id_rows = top_lp.tolist(), top_ids.tolist()
+    return [(Logprob(token, lp), [Logprob(t, v) for t, v in zip(ids[:k], values[:k])])
+            for token, lp, ids, values, k in zip(tokens.tolist(), token_lp, top_id_rows, top_lp_rows, ks)]
