@@ -12,10 +12,12 @@ class Logprob(NamedTuple):
 
 
 class TokenLogprobs(NamedTuple):
-    """The sampled token's logprob and the top-k alternatives (highest first)."""
+    """The sampled (or prompt) token's logprob, the top-k alternatives (highest first), and
+    the token's rank in the vocabulary (1 = the likeliest; ties share the better rank)."""
 
     sampled: Logprob
     top: list[Logprob]
+    rank: int | None = None
 
 
 @dataclass

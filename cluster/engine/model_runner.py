@@ -35,7 +35,7 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 @dataclass
 class StepResult:
     sampled: dict[str, int]
-    logprobs: dict[str, tuple[Logprob, list[Logprob]]]
+    logprobs: dict[str, tuple[Logprob, list[Logprob], int]]
     # per request asking for prompt logprobs: the entries that continue its `prompt_logprobs`
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 

@@ -22,7 +22,7 @@ _JSON_CANDIDATES = (256, 4096)  # then the whole vocabulary
 class SampleResult(NamedTuple):
     token_ids: list[int]  # one per row
     # per row: (sampled token's, top-k alternatives highest first) when the row asked for logprobs
-    logprobs: list[tuple[Logprob, list[Logprob]] | None]
+    logprobs: list[tuple[Logprob, list[Logprob], int] | None]
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -295,8 +295,8 @@ def _log_exponential(like: torch.Tensor, generators: Sequence[torch.Generator | 
 
 # -- logprobs -------------------------------------------------------------------------------
 def _collect_logprobs(raw: torch.Tensor | None, rows: list[int], tokens: torch.Tensor,
-                      params: Sequence[SamplingParams]) -> list[tuple[Logprob, list[Logprob]] | None]:
-    out: list[tuple[Logprob, list[Logprob]] | None] = [None] * len(params)
+                      params: Sequence[SamplingParams]) -> list[tuple[Logprob, list[Logprob], int] | None]:
+    out: list[tuple[Logprob, list[Logprob], int] | None] = [None] * len(params)
     if raw is None:
         return out
     scored = score_tokens(raw, tokens[_index(rows, raw)], [params[i].logprobs or 0 for i in rows])
@@ -306,12 +306,15 @@ def _collect_logprobs(raw: torch.Tensor | None, rows: list[int], tokens: torch.T
 
 
 def score_tokens(logprobs: torch.Tensor, tokens: torch.Tensor,
-                 ks: Sequence[int]) -> list[tuple[Logprob, list[Logprob]]]:
-    """Per row of `logprobs` [R, V]: token `tokens[r]`'s logprob and the row's top `ks[r]`
-    alternatives, highest first (the sampler's logprobs, and the runner's prompt scores)."""
-    token_lp = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+                 ks: Sequence[int]) -> list[tuple[Logprob, list[Logprob], int]]:
+    """Per row of `logprobs` [R, V]: token `tokens[r]`'s logprob, the row's top `ks[r]`
+    alternatives, highest first, and the token's rank (1 + how many tokens are likelier):
+    the sampler's logprobs, and the runner's prompt scores."""
+    token_lp = logprobs.gather(1, tokens.unsqueeze(1))
+    ranks = ((logprobs > token_lp).sum(dim=1) + 1).tolist()
     max_k = max(ks, default=0)
     top_lp, top_ids = logprobs.topk(max_k, dim=-1) if max_k else (logprobs[:, :0], logprobs[:, :0].long())
     top_lp_rows, top_id_rows = top_lp.tolist(), top_ids.tolist()
-    return [(Logprob(token, lp), [Logprob(t, v) for t, v in zip(ids[:k], values[:k])])
-            for token, lp, ids, values, k in zip(tokens.tolist(), token_lp, top_id_rows, top_lp_rows, ks)]
+    return [(Logprob(token, lp), [Logprob(t, v) for t, v in zip(ids[:k], values[:k])], rank)
+            for token, lp, ids, values, k, rank in zip(tokens.tolist(), token_lp.squeeze(1).tolist(), top_id_rows,
+                                                        top_lp_rows, ks, ranks)]

@@ -45,9 +45,11 @@ class Tokenizer:
         return self.hf.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
                                            tokenize=False, tools=list(tools) if tools else None)
 
-    def encode_chat(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
+    def encode_chat(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
+                    add_generation_prompt: bool = True) -> list[int]:
         """The chat template already writes the special tokens, so none are added on top."""
-        return list(self.hf.encode(self.chat_prompt(messages, tools=tools), add_special_tokens=False))
+        text = self.chat_prompt(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        return list(self.hf.encode(text, add_special_tokens=False))
 
     @property
     def template_takes_tools(self) -> bool:

@@ -18,7 +18,6 @@ annotation objects to see that `request: Request` is the request, not a query pa
 import asyncio
 import contextvars
 import hmac
-import json
 import os
 import uuid
 from typing import Any, AsyncIterator
@@ -38,12 +37,13 @@ from cluster.models.architecture import Architecture
 from cluster.models.loader import resolve_model_path
 from cluster.outputs import TokenDelta
 from cluster.prefill.deployment import PrefillDeployment
-from cluster.router import grpc_api
+from cluster.router import grpc_api, tokenize_api
 from cluster.router.migration import migrating
-from cluster.router.edges import ClosingStream, HeaderLimits, as_api_error, error_response, replica_lost
+from cluster.router.edges import (ClosingStream, HeaderLimits, as_api_error, error_response, read_json,
+                                  replica_lost, request_timeout)
 from cluster.router.openai_server import OpenAIServer
 from cluster.router.metrics import render as render_metrics
-from cluster.router.protocol import APIError
+from cluster.router.errors import APIError
 from cluster.router import request_log  # its ContextVar cannot be pickled: referenced via the module
 from cluster.router.request_log import REQUEST_ID, RequestLog, configure_trace_logging
 from cluster.router.request_routers import ROUTING_STATS_PERIOD_S
@@ -148,6 +148,15 @@ class RouterDeployment:
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, self.openai.completions)
 
+    @api.post("/tokenize")
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's: a prompt's (or a chat's) token ids as this server counts them; no pool is asked."""
+        return await self._local(request, tokenize_api.tokenize)
+
+    @api.post("/detokenize")
+    async def detokenize(self, request: Request) -> Response:
+        return await self._local(request, tokenize_api.detokenize)
+
     @api.get("/debug/stats")
     async def debug_stats(self, request: Request) -> Response:
         """Every live pool replica's engine and transfer counters (blocks in use, running, ...)."""
@@ -223,8 +232,8 @@ class RouterDeployment:
         streaming = False
         try:
             self._auth(request)
-            body = await self._body(request)
-            result = await handler(body, self._timeout(request))
+            body = await read_json(request, self.config.max_request_bytes)
+            result = await handler(body, request_timeout(request, self.config.request_timeout_s))
             if isinstance(result, dict):
                 return JSONResponse(result)
             streaming = True
@@ -236,6 +245,16 @@ class RouterDeployment:
         finally:
             if not streaming:
                 self._release()
+
+    async def _local(self, request: Request, handler) -> Response:
+        """A request the router answers itself: the key, the body limit, OpenAI-shaped errors."""
+        try:
+            self._auth(request)
+            return JSONResponse(handler(self.openai, await read_json(request, self.config.max_request_bytes)))
+        except APIError as exc:
+            return error_response(exc)
+        except Exception as exc:
+            return error_response(APIError(500, f"internal error: {type(exc).__name__}", type_="internal_error"))
 
     async def _admit(self) -> None:
         """Take a slot for one request (`_release` gives it back), or refuse it with a 503."""
@@ -289,20 +308,6 @@ class RouterDeployment:
         except Exception:  # the controller restarting: keep the last view
             pass
 
-    def _timeout(self, request: Request) -> float | None:
-        """The app's request_timeout_s, or the client's shorter X-Request-Timeout (seconds)."""
-        limit = self.config.request_timeout_s
-        asked = request.headers.get("x-request-timeout")
-        if asked is None:
-            return limit
-        try:
-            value = float(asked)
-        except ValueError:
-            value = float("nan")
-        if not 0 < value < float("inf"):
-            raise APIError(400, "X-Request-Timeout must be a positive number of seconds", param="X-Request-Timeout")
-        return value if limit is None else min(value, limit)
-
     def _auth(self, request: Request) -> None:
         self._check_key(request.headers.get("authorization", ""))
 
@@ -313,24 +318,6 @@ class RouterDeployment:
         if not hmac.compare_digest(authorization.encode(), f"Bearer {self.api_key}".encode()):
             raise APIError(401, "invalid or missing API key", type_="authentication_error",
                            code="invalid_api_key")
-
-    async def _body(self, request: Request) -> Any:
-        limit = self.config.max_request_bytes
-        ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
-        if ctype != "application/json":
-            raise APIError(415, "the body must be application/json")
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise APIError(413, f"the body exceeds {limit} bytes")
-        data = bytearray()
-        async for part in request.stream():
-            data += part
-            if len(data) > limit:
-                raise APIError(413, f"the body exceeds {limit} bytes")
-        try:
-            return json.loads(bytes(data).decode("utf-8", errors="strict"))
-        except (UnicodeDecodeError, ValueError, RecursionError):
-            raise APIError(400, "the body is not valid JSON") from None
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:

@@ -1,10 +1,12 @@
 """The router's HTTP edge, apart from routing: OpenAI-shaped error responses (and what each
-failure from the pools becomes), header limits, and SSE responses that clean up however they end.
+failure from the pools becomes), header and body limits, the client's deadline, and SSE
+responses that clean up however they end.
 (Imported by cluster/router/app.py before its Serve ingress class: see the note there.)"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import ray
@@ -12,7 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from cluster.decode.server import PrefillFailed
 from cluster.kvtransfer.errors import KVTransferError
-from cluster.router.protocol import APIError
+from cluster.router.errors import APIError
 
 MAX_HEADERS = 64            # request header count; more is refused with 431
 MAX_HEADER_BYTES = 8 << 10  # all header names and values together
@@ -36,6 +38,39 @@ class HeaderLimits:
                 await error_response(err)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+async def read_json(request: Any, limit: int) -> Any:
+    """The body as JSON: application/json, at most `limit` bytes (checked as it arrives)."""
+    ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+    if ctype != "application/json":
+        raise APIError(415, "the body must be application/json")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"the body exceeds {limit} bytes")
+    data = bytearray()
+    async for part in request.stream():
+        data += part
+        if len(data) > limit:
+            raise APIError(413, f"the body exceeds {limit} bytes")
+    try:
+        return json.loads(bytes(data).decode("utf-8", errors="strict"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise APIError(400, "the body is not valid JSON") from None
+
+
+def request_timeout(request: Any, limit: float | None) -> float | None:
+    """The app's request_timeout_s (`limit`), or the client's shorter X-Request-Timeout (seconds)."""
+    asked = request.headers.get("x-request-timeout")
+    if asked is None:
+        return limit
+    try:
+        value = float(asked)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise APIError(400, "X-Request-Timeout must be a positive number of seconds", param="X-Request-Timeout")
+    return value if limit is None else min(value, limit)
 
 
 class ClosingStream(StreamingResponse):

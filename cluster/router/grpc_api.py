@@ -20,7 +20,7 @@ import grpc
 
 from cluster.router import tandem_pb2 as pb
 from cluster.router.openai_server import OpenAIServer
-from cluster.router.protocol import APIError
+from cluster.router.errors import APIError
 from cluster.router.streams import deadline_after, within
 
 SERVICER = "cluster.router.grpc_servicer.add_tandem_servicer"  # for grpc_options

@@ -13,23 +13,24 @@ function (the decode pool, or an in-process decode server in tests), and shape r
       completions `echo`: each choice's text (and, with `logprobs`, its logprobs) starts with
         its prompt's; the prompt's are scored by the engine (`prompt_logprobs`) with the first
         token's logprob null, as OpenAI's legacy API returns them
+      vLLM's `prompt_logprobs` (either API, not streamed): each prompt token's score, rank and
+        alternatives (router/logprobs.py), per choice (completions) or once (chat); the n
+        samples of a prompt share the scores of its first
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import json
 import time
 import uuid
 from typing import Any, AsyncIterator, Callable, NamedTuple
 
-from pydantic import ValidationError
-
-from cluster.outputs import Logprob, TokenDelta, TokenLogprobs
-from cluster.router.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                     validation_message)
+from cluster.outputs import TokenDelta, TokenLogprobs
+from cluster.router.logprobs import echo_entries, openai_logprobs, vllm_prompt_logprobs
+from cluster.router.errors import APIError, parse_body
+from cluster.router.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.router.streams import SSEStream, deadline_after, merge_samples, within
 from cluster.router.tools import CallStream, ToolPlan, messages as template_messages, plan as tool_plan
 from cluster.sampling_params import SamplingParams
@@ -90,7 +91,7 @@ class OpenAIServer:
 
     def models(self, model_id: str | None = None) -> dict[str, Any]:
         if model_id is not None:
-            self._check_model(model_id)  # GET /v1/models/{model_id}: this model's card, or a 404
+            self.check_model(model_id)  # GET /v1/models/{model_id}: this model's card, or a 404
         card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "tandem",
                 "max_model_len": self.max_model_len}
         return card if model_id is not None else {"object": "list", "data": [card]}
@@ -110,23 +111,18 @@ class OpenAIServer:
         """A chat ("chat") or completions ("text") request body, validated, tokenized and
         checked against the context: raises APIError on anything the client got wrong."""
         if kind == "chat":
-            req = _parse(ChatCompletionRequest, body)
-            self._check_model(req.model)
+            req = parse_body(ChatCompletionRequest, body)
+            self.check_model(req.model)
             req.check_stream_options()
             req.check_supported()
-            tools = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
+            ids, tools = self.chat_prompt(req)
             if tools is not None and req.response_format and req.response_format.get("type") != "text":
                 raise APIError(400, "response_format and a tool_choice that calls tools exclude each other",
                                param="response_format")
-            native = self.tokenizer.template_takes_tools
-            messages = template_messages([m.as_dict() for m in req.messages], tools, native)
-            try:
-                prompts = [self.tokenizer.encode_chat(messages, tools=tools.tools if tools and native else None)]
-            except Exception as exc:  # a template that rejects this conversation
-                raise APIError(400, f"cannot apply the chat template: {type(exc).__name__}") from None
+            prompts = [ids]
         else:
-            req = _parse(CompletionRequest, body)
-            self._check_model(req.model)
+            req = parse_body(CompletionRequest, body)
+            self.check_model(req.model)
             req.check_stream_options()
             req.check_supported()
             tools = None
@@ -139,11 +135,25 @@ class OpenAIServer:
         echo = None
         if kind == "text" and req.echo:
             echo = [p if isinstance(p, str) else self.tokenizer.hf.decode(p) for p in req.prompts()]
-            per_prompt = [dataclasses.replace(ps, prompt_logprobs=req.requested_prompt_logprobs()) for ps in per_prompt]
+        scored = req.requested_prompt_logprobs()
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        children = [Child(f"{rid}-{i * req.n + j}", ids, dataclasses.replace(ps, seed=_child_seed(ps.seed, j)))
+        # a prompt is scored once, by its first sample, unless every choice streams its own echo
+        children = [Child(f"{rid}-{i * req.n + j}", ids, dataclasses.replace(
+                        ps, seed=_child_seed(ps.seed, j), prompt_logprobs=scored if j == 0 or req.stream else None))
                     for i, (ids, ps) in enumerate(zip(prompts, per_prompt)) for j in range(req.n)]
         return Prepared(kind, req, per_prompt[0], rid, children, sum(len(ids) for ids in prompts), tools, echo)
+
+    def chat_prompt(self, req: Any, add_generation_prompt: bool = True) -> tuple[list[int], ToolPlan | None]:
+        """A chat request's (or /tokenize's) prompt ids through the chat template, and the tool
+        calls its reply is held to."""
+        tools = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
+        native = self.tokenizer.template_takes_tools
+        messages = template_messages([m.as_dict() for m in req.messages], tools, native)
+        try:
+            return self.tokenizer.encode_chat(messages, tools=tools.tools if tools and native else None,
+                                              add_generation_prompt=add_generation_prompt), tools
+        except Exception as exc:  # a template that rejects this conversation
+            raise APIError(400, f"cannot apply the chat template: {type(exc).__name__}") from None
 
     def _completion_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -161,7 +171,7 @@ class OpenAIServer:
         return self.tokenizer.hf.decode([token_id])
 
     # -- shared ----------------------------------------------------------------------
-    def _check_model(self, model: str) -> None:
+    def check_model(self, model: str) -> None:
         if model != self.model_name:
             raise APIError(404, f"the requested model does not exist; this server serves `{self.model_name}`",
                            param="model", code="model_not_found")
@@ -185,13 +195,13 @@ class OpenAIServer:
         if not req.stream:
             choices = await within(asyncio.gather(*(self._collect(c) for c in p.children)), deadline)
             for i, (child, c) in enumerate(zip(p.children, choices)):
+                c.prompt_logprobs = choices[i - i % req.n].prompt_logprobs  # the prompt's first sample's
                 if p.echo_only:  # the one token sampled after the prompt is not part of the reply
                     c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason = "", [], [], "length", None
                 if p.echo is not None:
                     c.text = p.echo_of(i) + c.text
-                    c.logprobs = _prompt_entries(child.prompt_ids, c.prompt_logprobs) + c.logprobs
-            return self._response(p.kind, p.request_id, created, choices, p.prompt_tokens,
-                                  params.logprobs is not None, p.tools)
+                    c.logprobs = echo_entries(child.prompt_ids, c.prompt_logprobs, req.logprobs) + c.logprobs
+            return self._response(p, created, choices)
         merged = self.samples(p)
         try:
             first = await within(merged.__anext__(), deadline)  # errors before the first byte keep their status
@@ -215,21 +225,26 @@ class OpenAIServer:
         return choice
 
     # -- shapes ----------------------------------------------------------------------
-    def _response(self, kind: str, rid: str, created: int, choices: list[_Choice], num_prompt: int,
-                  with_logprobs: bool, tools: ToolPlan | None = None) -> dict[str, Any]:
+    def _response(self, p: Prepared, created: int, choices: list[_Choice]) -> dict[str, Any]:
+        kind, tools, scores = p.kind, p.tools, p.request.prompt_logprobs  # scores: vLLM's prompt_logprobs
         out = []
         for i, c in enumerate(choices):
-            lp = self._logprobs(kind, c.logprobs) if with_logprobs else None
+            lp = openai_logprobs(kind, c.logprobs, self.token_text) if p.params.logprobs is not None else None
             body = {"message": {"role": "assistant", "content": c.text}} if kind == "chat" else {"text": c.text}
             finish = c.finish_reason
             calls = tools.calls(c.text) if tools is not None else None
             if calls is not None:  # else cut before the calls' JSON closed: the text, as it is
                 body, finish = {"message": {"role": "assistant", "content": None, "tool_calls": calls}}, tools.finish_reason
             out.append({"index": i, **body, "logprobs": lp, "finish_reason": finish, "stop_reason": c.stop_reason})
+            if scores is not None and kind == "text":
+                out[-1]["prompt_logprobs"] = vllm_prompt_logprobs(c.prompt_logprobs, self.token_text, scores)
         completion = sum(len(c.token_ids) for c in choices)
-        return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
-                "created": created, "model": self.model_name, "choices": out,
-                "usage": _usage(num_prompt, completion)}
+        response = {"id": p.request_id, "object": "chat.completion" if kind == "chat" else "text_completion",
+                    "created": created, "model": self.model_name, "choices": out,
+                    "usage": _usage(p.prompt_tokens, completion)}
+        if scores is not None and kind == "chat":  # one prompt: once, beside the choices
+            response["prompt_logprobs"] = vllm_prompt_logprobs(choices[0].prompt_logprobs, self.token_text, scores)
+        return response
 
     async def _stream(self, p: Prepared, created: int, first: tuple[int, TokenDelta],
                       rest: AsyncIterator[tuple[int, TokenDelta]], include_usage: bool,
@@ -263,11 +278,11 @@ class OpenAIServer:
                 if p.echo is not None and not echoed[j]:  # the choice's first chunk starts with its prompt
                     echoed[j] = True
                     body = {"text": p.echo_of(j) + d.text}
-                    entries = _prompt_entries(p.children[j].prompt_ids, d.prompt_logprobs) + entries
+                    entries = echo_entries(p.children[j].prompt_ids, d.prompt_logprobs, p.request.logprobs) + entries
                 if calls is not None:
                     delta, entries, finish = calls[j].step(d.text, entries, finish)
                     body = {"delta": delta or {}}
-                lp = self._logprobs(kind, entries, offsets[j]) if with_logprobs else None
+                lp = openai_logprobs(kind, entries, self.token_text, offsets[j]) if with_logprobs else None
                 if lp is not None and kind == "text" and lp["tokens"]:
                     offsets[j] = lp["text_offset"][-1] + len(lp["tokens"][-1])
                 if (d.text or body.get("text") or d.token_ids or finish) and (calls is None or delta is not None):
@@ -290,44 +305,10 @@ class OpenAIServer:
             yield f"data: {json.dumps({**base, 'choices': [], 'usage': usage})}\n\n"
         yield "data: [DONE]\n\n"
 
-    def _logprobs(self, kind: str, entries: list[TokenLogprobs], offset: int = 0) -> dict[str, Any]:
-        """OpenAI's logprobs object (completions: `text_offset` from `offset` in the choice's text)."""
-        piece = self.token_text
-        if kind == "chat":
-            return {"content": [{"token": piece(e.sampled.token_id), "logprob": e.sampled.logprob,
-                                 "bytes": list(piece(e.sampled.token_id).encode()),
-                                 "top_logprobs": [{"token": piece(t.token_id), "logprob": t.logprob,
-                                                   "bytes": list(piece(t.token_id).encode())} for t in e.top]}
-                                for e in entries]}
-        tokens = [piece(e.sampled.token_id) for e in entries]
-        starts = list(itertools.accumulate([offset] + [len(t) for t in tokens[:-1]]))[: len(tokens)]
-        return {"tokens": tokens, "token_logprobs": [e.sampled.logprob for e in entries],
-                "top_logprobs": [None if e.top is None else {piece(t.token_id): t.logprob for t in e.top}
-                                 for e in entries],
-                "text_offset": starts}
-
-
-def _prompt_entries(prompt_ids: list[int], scored: list[TokenLogprobs | None] | None) -> list[TokenLogprobs]:
-    """An echoed prompt's logprob entries: the first token's logprob and alternatives null
-    (nothing precedes it), then the engine's scores; none when logprobs were not asked for."""
-    if scored is None:
-        return []
-    return [TokenLogprobs(Logprob(prompt_ids[0], None), None), *scored[1:]]  # type: ignore[arg-type]
-
 
 def _child_seed(seed: int | None, j: int) -> int | None:
     """Choice j of n samples with seed + j (wrapping inside the seed range)."""
     return None if seed is None else (seed + j) % 2**63
-
-
-def _parse(model: Any, body: Any) -> Any:
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        message, param = validation_message(exc)
-        raise APIError(400, message, param=param) from None
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:

@@ -18,32 +18,12 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_
 
 from cluster.engine.json_schema import SchemaError
 from cluster.engine.schema_compiler import root_kinds, schema_recognizer, schema_text
+from cluster.router.errors import APIError
 from cluster.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 MAX_N = 16
 MAX_CHOICES = 64  # prompts x n in one /v1/completions request
 _SCHEMA_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
-
-
-class APIError(Exception):
-    """An error the client caused or must see, with its HTTP status and OpenAI error type."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type_
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def __reduce__(self) -> tuple:  # crosses processes whole (Serve carries it to its gRPC proxy)
-        return (APIError, (self.status, self.message, self.type, self.param, self.code, self.headers))
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code if self.code is not None else self.status}}
 
 
 class _Strict(BaseModel):
@@ -143,6 +123,7 @@ class _Sampling(_Strict):
     user: str | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]] | None = None
     response_format: dict[str, Any] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extra (lax, as vLLM: true is 1)
 
     @field_validator("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty")
@@ -212,6 +193,12 @@ class _Sampling(_Strict):
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        if self.stream and self.prompt_logprobs is not None:  # as in vLLM
+            raise APIError(400, "prompt_logprobs is not available when stream is true", param="prompt_logprobs")
+
+    def requested_prompt_logprobs(self) -> int | None:
+        """How many alternatives each prompt token's score carries, or None: not scored."""
+        return self.prompt_logprobs
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         logit_bias: tuple[tuple[int, float], ...] = ()) -> SamplingParams:
@@ -323,14 +310,7 @@ class CompletionRequest(_Sampling):
         return self.logprobs
 
     def requested_prompt_logprobs(self) -> int | None:
-        """`echo` with `logprobs`: the prompt's tokens are scored too (the first one has none)."""
-        return self.logprobs if self.echo else None
-
-
-def validation_message(exc: Any) -> tuple[str, str | None]:
-    """A pydantic ValidationError as (message, param) without echoing the client's input."""
-    errs = exc.errors(include_input=False, include_url=False)
-    first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
-    loc = ".".join(str(p) for p in first.get("loc", ()))
-    more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
-    return f"{loc or 'body'}: {first.get('msg', 'invalid')}{more}", (loc or None)
+        """`echo` with `logprobs` scores the prompt's tokens too (the first one has none), as
+        `prompt_logprobs` does; with both, the larger number of alternatives is scored."""
+        ks = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
+        return max(ks, default=None)

@@ -8,7 +8,7 @@ import time
 from typing import Any, AsyncIterator
 
 from cluster.outputs import TokenDelta
-from cluster.router.protocol import APIError
+from cluster.router.errors import APIError
 
 
 class SSEStream:

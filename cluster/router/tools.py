@@ -29,7 +29,7 @@ from typing import Any
 
 from cluster.engine.json_schema import SchemaError
 from cluster.engine.schema_compiler import schema_text
-from cluster.router.protocol import APIError
+from cluster.router.errors import APIError
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")

@@ -149,6 +149,17 @@ CASES = {
                                             "X-Request-Timeout"),
     "request_timeout_header_negative": ("POST", CHAT, chat(), {"X-Request-Timeout": "-1"}, 400, "X-Request-Timeout"),
     "get_on_a_post_route": ("GET", CHAT, None, None, 405, None),
+    "tokenize_unknown_model": ("POST", "/tokenize", json.dumps({"model": MARK, "prompt": "x"}).encode(), None, 404,
+                               "model"),
+    "tokenize_continue_final_message": ("POST", "/tokenize", chat(continue_final_message=True), None, 400,
+                                        "continue_final_message"),
+    "tokenize_tool_choice_auto": ("POST", "/tokenize", chat(tools=[{"type": "function", "function": {"name": "f"}}]),
+                                  None, 400, "tool_choice"),  # as chat completions: no "auto" parser
+    "tokenize_over_the_size_limit": ("POST", "/tokenize", completion(prompt=MARK * (BODY_LIMIT // len(MARK))), None,
+                                     413, None),
+    "detokenize_id_outside_vocab": ("POST", "/detokenize", json.dumps({"tokens": [1, 10**9]}).encode(), None, 400,
+                                    "tokens"),
+    "detokenize_not_ids": ("POST", "/detokenize", json.dumps({"tokens": MARK}).encode(), None, 400, "tokens"),
     "unknown_route": ("POST", f"/v1/{MARK}", chat(), None, 404, None),
 }
 
@@ -186,13 +197,14 @@ def test_after_every_bad_request_the_server_still_serves_and_holds_nothing(url):
     assert decode["blocks_in_use"] == 0 and decode["num_running"] == 0 and decode["num_waiting"] == 0
 
 
-def test_api_key_guards_v1_but_not_health(url, tiny_model_paths):
+def test_api_key_guards_v1_and_tokenize_but_not_health(url, tiny_model_paths):
     deploy(app_args(str(tiny_model_paths["llama"]), api_key="sk-tandem-test"))
     try:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sk-tandem-test"}):
             for method, path, body in (("POST", CHAT, chat()), ("POST", COMP, completion()),
                                        ("GET", "/v1/models", None), ("GET", f"/v1/models/{MODEL}", None),
-                                       ("GET", "/debug/stats", None)):
+                                       ("GET", "/debug/stats", None), ("POST", "/tokenize", completion()),
+                                       ("POST", "/detokenize", b'{"tokens": [1]}')):
                 status, _, raw = request(url, method, path, body, headers)
                 assert status == 401, (path, headers, status)
                 err = json.loads(raw)["error"]
@@ -201,6 +213,7 @@ def test_api_key_guards_v1_but_not_health(url, tiny_model_paths):
         ok = {"Authorization": "Bearer sk-tandem-test"}
         assert request(url, "GET", "/v1/models", None, ok)[0] == 200
         assert request(url, "POST", CHAT, chat(), ok)[0] == 200
+        assert request(url, "POST", "/tokenize", completion(), ok)[0] == 200
     finally:
         deploy(app_args(str(tiny_model_paths["llama"])))
 

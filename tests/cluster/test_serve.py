@@ -78,6 +78,11 @@ def test_disaggregated_app_end_to_end(serve_url):
         assert scored.text.startswith("The capital of France is" + answer) and scored.logprobs.token_logprobs[0] is None
         return scored.logprobs.token_logprobs[-2]  # the answer's own token (" Paris", " London": one token each)
     assert loglikelihood(" Paris") > loglikelihood(" London") + 1.0
+    # vLLM's prompt_logprobs, as its users send it (extra_body): " Paris" ranks first after the question
+    scores = c.completions.create(model=model, prompt="The capital of France is Paris", max_tokens=1,
+                                  extra_body={"prompt_logprobs": 2}).choices[0].prompt_logprobs
+    assert scores[0] is None and scores[-1][str(paris[0])]["rank"] == 1
+    assert scores[-1][str(paris[0])]["logprob"] == pytest.approx(loglikelihood(" Paris"), abs=1e-3)
 
     cat = [{"role": "user", "content": "Give me a JSON object describing a cat with keys name, age and color."}]
     as_json = c.chat.completions.create(model=model, messages=cat, temperature=0, max_tokens=80,

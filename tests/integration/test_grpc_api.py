@@ -14,7 +14,7 @@ import pytest
 from cluster.router import grpc_api
 from cluster.router import tandem_pb2 as pb
 from cluster.router.openai_server import OpenAIServer
-from cluster.router.protocol import APIError
+from cluster.router.errors import APIError
 
 MODEL = "tiny"  # the served name of the `stack` fixture (tests/integration/conftest.py)
 QUESTION = "Say something."

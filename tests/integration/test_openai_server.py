@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from cluster.router.protocol import APIError
+from cluster.router.errors import APIError
 from cluster.sampling_params import SamplingParams
 from openai_helpers import MODEL, chat, drain, run
 
@@ -82,6 +82,9 @@ def test_stop_string_ends_the_text(stack):
     (chat(n=100), 400, "n"),
     (chat(top_logprobs=3), 400, "top_logprobs"),
     (chat(stream_options={"include_usage": True}), 400, "stream_options"),
+    (chat(prompt_logprobs=1, stream=True), 400, "prompt_logprobs"),  # as in vLLM: not streamed
+    (chat(prompt_logprobs=21), 400, "prompt_logprobs"),
+    (chat(prompt_logprobs=-1), 400, "prompt_logprobs"),  # vLLM's "the whole vocabulary": refused
     ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
     ([1, 2], 400, None),
 ])
@@ -287,3 +290,59 @@ def test_echo_scores_the_prompt_as_generation_scored_its_tokens(stack):
     parts = [c["choices"][0] for c in chunks[:-1]]
     assert "".join(p["text"] for p in parts) == text and parts[-1]["finish_reason"] == "length"
     assert [t for p in parts if p["logprobs"] for t in p["logprobs"]["tokens"]] == scored["tokens"][:-1]
+
+
+def test_prompt_logprobs_extra_scores_the_prompt_with_ranks(stack):
+    """vLLM's `prompt_logprobs` (what reward scorers and eval scripts read): every prompt token
+    after the first with its logprob, vocabulary rank, text and top alternatives, the scores
+    echo gives; both pools agree; n samples share one scoring; chat scores its templated prompt;
+    with echo as well, each keeps its own number of alternatives."""
+    colocated = stack["colocated"]
+    prompt = "Once upon a time there was"
+    ids = colocated.tokenizer.encode(prompt)
+    chat_ids = colocated.tokenizer.encode_chat([{"role": "user", "content": "Hello there"}])
+    base = {"model": MODEL, "temperature": 0, "max_tokens": 2}
+
+    async def go():
+        echo = await colocated.completions({**base, "prompt": prompt, "echo": True, "logprobs": 3})
+        extra = {name: await stack[name].completions({**base, "prompt": prompt, "prompt_logprobs": 3, "n": 2,
+                                                      "temperature": 1.0, "seed": 3})
+                 for name in ("colocated", "disagg")}
+        both = await colocated.completions({**base, "prompt": prompt, "echo": True, "logprobs": 1,
+                                           "prompt_logprobs": 3})
+        in_chat = await stack["disagg"].chat(chat(max_tokens=2, prompt_logprobs=0,
+                                                  messages=[{"role": "user", "content": "Hello there"}]))
+        as_text = await colocated.completions({**base, "prompt": chat_ids, "prompt_logprobs": 0})
+        return echo, extra, both, in_chat, as_text
+
+    echo, extra, both, in_chat, as_text = run(go())
+    want = echo["choices"][0]["logprobs"]
+    for name, out in extra.items():
+        first = out["choices"][0]["prompt_logprobs"]
+        assert [c["prompt_logprobs"] for c in out["choices"]] == [first, first], name  # one prompt, one scoring
+        assert out["choices"][0]["logprobs"] is None and not out["choices"][0]["text"].startswith(prompt)
+        assert len(first) == len(ids) and first[0] is None
+        for p, entry in enumerate(first[1:], start=1):
+            mine = entry[str(ids[p])]
+            assert mine["logprob"] == pytest.approx(want["token_logprobs"][p], abs=1e-4), (name, p)
+            assert mine["decoded_token"] == colocated.tokenizer.hf.decode([ids[p]]) == want["tokens"][p]
+            top = sorted((e for key, e in entry.items() if e["rank"] <= 3), key=lambda e: e["rank"])
+            assert [e["rank"] for e in top] == [1, 2, 3]
+            if len(want["top_logprobs"][p]) == 3:  # (echo's are keyed by text: two tokens may share one)
+                assert [e["logprob"] for e in top] == pytest.approx(sorted(want["top_logprobs"][p].values(),
+                                                                           reverse=True), abs=1e-4)
+            if mine["rank"] > 3:  # not among the top 3: then below them, else it is the one of its rank
+                assert len(entry) == 4 and mine["logprob"] <= top[-1]["logprob"]
+            else:
+                assert len(entry) == 3 and top[mine["rank"] - 1] is mine
+    assert all(top is None or len(top) == 1 for top in both["choices"][0]["logprobs"]["top_logprobs"])
+    assert both["choices"][0]["prompt_logprobs"] == extra["colocated"]["choices"][0]["prompt_logprobs"]
+    scores = in_chat["prompt_logprobs"]
+    assert "prompt_logprobs" not in in_chat["choices"][0]
+    assert len(scores) == in_chat["usage"]["prompt_tokens"] == len(chat_ids) and scores[0] is None
+    assert [list(e) for e in scores[1:]] == [[str(t)] for t in chat_ids[1:]]  # k = 0: the token alone
+    text_scores = as_text["choices"][0]["prompt_logprobs"]
+    for e, t in zip(scores[1:], text_scores[1:]):
+        (key, mine), = e.items()
+        assert mine["rank"] == t[key]["rank"] and mine["logprob"] == pytest.approx(t[key]["logprob"], abs=1e-4)
+

@@ -30,6 +30,8 @@ def assert_prompt_logprobs_match(out, reference: torch.Tensor, k: int = K) -> No
     for p, entry in enumerate(got[1:], start=1):
         assert entry.sampled.token_id == ids[p]
         assert entry.sampled.logprob == pytest.approx(reference[p - 1, ids[p]].item(), abs=1e-4)
+        lp = reference[p - 1, ids[p]]  # its rank: 1 + the tokens likelier (within the tolerance)
+        assert 1 + (reference[p - 1] > lp + 1e-4).sum() <= entry.rank <= 1 + (reference[p - 1] > lp - 1e-4).sum()
         top = reference[p - 1].topk(k)
         assert [t.token_id for t in entry.top] == top.indices.tolist()
         torch.testing.assert_close(torch.tensor([t.logprob for t in entry.top]), top.values, atol=1e-4, rtol=0)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cluster.router.protocol import APIError
+from cluster.router.errors import APIError
 from openai_helpers import MODEL, chat, drain, run
 
 

@@ -174,13 +174,14 @@ def test_logprobs_come_from_raw_logits_with_sorted_alternatives():
     result = run(logits, params, outputs=[[int(logits[0].argmax())], [], []])
     raw = torch.log_softmax(logits, dim=-1)
     assert result.logprobs[1] is None
-    sampled, top = result.logprobs[0]
+    sampled, top, rank = result.logprobs[0]
     assert sampled == Logprob(result.token_ids[0], pytest.approx(raw[0, result.token_ids[0]].item()))
+    assert rank == 1 + int((raw[0] > raw[0, result.token_ids[0]]).sum())  # its place in the vocabulary
     values, ids = raw[0].topk(4)
     assert [t for t, _ in top] == ids.tolist()
     assert [lp for _, lp in top] == pytest.approx(values.tolist())
     assert [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True)
-    assert result.logprobs[2] == (Logprob(int(logits[2].argmax()), pytest.approx(raw[2].max().item())), [])
+    assert result.logprobs[2] == (Logprob(int(logits[2].argmax()), pytest.approx(raw[2].max().item())), [], 1)
 
 
 def test_out_of_vocab_stop_token_ids_are_ignored():

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 import uvloop
 
-from cluster.router.protocol import APIError
+from cluster.router.errors import APIError
 from cluster.router.streams import deadline_after, within
 
 

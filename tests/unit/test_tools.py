@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 from cluster.engine.schema_compiler import schema_recognizer
-from cluster.router.protocol import APIError
+from cluster.router.errors import APIError
 from cluster.router.tools import CallStream, messages, plan
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
