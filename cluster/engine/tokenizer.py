@@ -39,16 +39,19 @@ class Tokenizer:
         return self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def chat_prompt(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: Sequence[dict[str, Any]] | None = None) -> str:
+                    tools: Sequence[dict[str, Any]] | None = None, continue_final_message: bool = False) -> str:
+        """The template's text; `continue_final_message`: ending inside the last message, for
+        the model to go on with it (instead of a new assistant turn)."""
         if not self.hf.chat_template:
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
         return self.hf.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                           continue_final_message=continue_final_message,
                                            tokenize=False, tools=list(tools) if tools else None)
 
     def encode_chat(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
-                    add_generation_prompt: bool = True) -> list[int]:
+                    add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
         """The chat template already writes the special tokens, so none are added on top."""
-        text = self.chat_prompt(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        text = self.chat_prompt(messages, add_generation_prompt, tools, continue_final_message)
         return list(self.hf.encode(text, add_special_tokens=False))
 
     @property

@@ -116,9 +116,13 @@ class OpenAIServer:
             req.check_stream_options()
             req.check_supported()
             ids, tools = self.chat_prompt(req)
+            held = tools is not None or (req.response_format or {}).get("type", "text") != "text"
             if tools is not None and req.response_format and req.response_format.get("type") != "text":
                 raise APIError(400, "response_format and a tool_choice that calls tools exclude each other",
                                param="response_format")
+            if held and req.continue_final_message:  # the reply would not start where its JSON does
+                raise APIError(400, "continue_final_message cannot be held to JSON (response_format, tool calls)",
+                               param="continue_final_message")
             prompts = [ids]
         else:
             req = parse_body(CompletionRequest, body)
@@ -143,15 +147,18 @@ class OpenAIServer:
                     for i, (ids, ps) in enumerate(zip(prompts, per_prompt)) for j in range(req.n)]
         return Prepared(kind, req, per_prompt[0], rid, children, sum(len(ids) for ids in prompts), tools, echo)
 
-    def chat_prompt(self, req: Any, add_generation_prompt: bool = True) -> tuple[list[int], ToolPlan | None]:
+    def chat_prompt(self, req: Any) -> tuple[list[int], ToolPlan | None]:
         """A chat request's (or /tokenize's) prompt ids through the chat template, and the tool
         calls its reply is held to."""
+        if req.continue_final_message and req.add_generation_prompt:
+            raise APIError(400, "continue_final_message and add_generation_prompt exclude each other: set "
+                                "add_generation_prompt to false", param="continue_final_message")
         tools = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
         native = self.tokenizer.template_takes_tools
         messages = template_messages([m.as_dict() for m in req.messages], tools, native)
         try:
-            return self.tokenizer.encode_chat(messages, tools=tools.tools if tools and native else None,
-                                              add_generation_prompt=add_generation_prompt), tools
+            return self.tokenizer.encode_chat(messages, tools.tools if tools and native else None,
+                                              req.add_generation_prompt, req.continue_final_message), tools
         except Exception as exc:  # a template that rejects this conversation
             raise APIError(400, f"cannot apply the chat template: {type(exc).__name__}") from None
 

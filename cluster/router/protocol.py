@@ -237,6 +237,8 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Any = None
     parallel_tool_calls: Any = True
     functions: list[Any] | None = None
+    add_generation_prompt: StrictBool = True  # vLLM's extras: false with continue_final_message, which
+    continue_final_message: StrictBool = False  # ends the prompt inside the last message for the reply to go on
 
     def check_supported(self) -> None:
         self.check_response_format()

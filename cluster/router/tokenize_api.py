@@ -3,7 +3,8 @@ would count them (a chat through the same template, tools included, as /v1/chat/
 and token ids back to text. Answered by the router alone; the pools are never asked.
 
     /tokenize    {"prompt": str, "add_special_tokens": true}
-              or {"messages": [...], "add_generation_prompt": true, "tools": ..., "tool_choice": ...}
+              or {"messages": [...], "add_generation_prompt": true, "continue_final_message": false,
+                  "tools": ..., "tool_choice": ...}
                  (either with "return_token_strs": true for the tokens' own strings)
               → {"count", "max_model_len", "tokens", "token_strs"}
     /detokenize  {"tokens": [ids]} → {"prompt": str}
@@ -56,9 +57,7 @@ def tokenize(server: OpenAIServer, body: Any) -> dict[str, Any]:
     if req.model is not None:
         server.check_model(req.model)
     if chat:
-        if req.continue_final_message:  # chat completions do not continue a message either
-            raise APIError(400, "continue_final_message is not supported", param="continue_final_message")
-        ids, _ = server.chat_prompt(req, add_generation_prompt=req.add_generation_prompt)
+        ids, _ = server.chat_prompt(req)
     else:
         ids = list(server.tokenizer.hf.encode(req.prompt, add_special_tokens=req.add_special_tokens))
     strs = server.tokenizer.hf.convert_ids_to_tokens(ids) if req.return_token_strs else None

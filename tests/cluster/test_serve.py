@@ -32,6 +32,11 @@ def test_disaggregated_app_end_to_end(serve_url):
     r = c.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=32)
     assert "Paris" in r.choices[0].message.content
     assert r.choices[0].finish_reason == "stop"
+    # vLLM's continue_final_message: the reply goes on with the assistant's own words
+    go_on = c.chat.completions.create(model=model, temperature=0, max_tokens=4, messages=QUESTION + [
+        {"role": "assistant", "content": "The capital of France is"}],
+        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert go_on.choices[0].message.content.startswith(" Paris")
     assert r.usage.completion_tokens > 0 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
 
     stream = c.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=32, stream=True,

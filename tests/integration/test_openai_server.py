@@ -346,3 +346,27 @@ def test_prompt_logprobs_extra_scores_the_prompt_with_ranks(stack):
         (key, mine), = e.items()
         assert mine["rank"] == t[key]["rank"] and mine["logprob"] == pytest.approx(t[key]["logprob"], abs=1e-4)
 
+
+def test_continue_final_message_goes_on_with_the_assistants_words(stack):
+    """vLLM's continue_final_message (with add_generation_prompt false): the prompt ends inside
+    the last message and the reply continues it, as a completion of that same text would."""
+    server = stack["colocated"]
+    messages = [{"role": "user", "content": "Tell me a story."}, {"role": "assistant", "content": "Once upon a"}]
+    flags = {"continue_final_message": True, "add_generation_prompt": False}
+    text = server.tokenizer.chat_prompt(messages, add_generation_prompt=False, continue_final_message=True)
+    assert text.endswith("assistant\nOnce upon a")
+
+    async def go():
+        return (await server.chat(chat(messages=messages, temperature=0, max_tokens=8, ignore_eos=True, **flags)),
+                await server.completions({"model": MODEL, "prompt": server.tokenizer.hf.encode(text), "temperature": 0,
+                                          "max_tokens": 8, "ignore_eos": True}))
+
+    continued, same_text = run(go())
+    assert continued["choices"][0]["message"]["content"] == same_text["choices"][0]["text"]
+    assert continued["usage"] == same_text["usage"]
+    for bad in ({"continue_final_message": True},  # add_generation_prompt is true unless said otherwise
+                {**flags, "response_format": {"type": "json_object"}}):  # a reply held to JSON starts anew
+        with pytest.raises(APIError) as info:
+            run(server.chat(chat(messages=messages, **bad)))
+        assert info.value.status == 400 and info.value.param == "continue_final_message"
+

@@ -38,6 +38,9 @@ def test_tokenize_counts_what_the_completion_uses(stack):
     assert shown == server.tokenizer.chat_prompt(messages) and "What is the weather in Paris?" in shown
     bare = tokenize(server, {"messages": messages, "add_generation_prompt": False})
     assert bare["tokens"] == in_chat["tokens"][:bare["count"]] and bare["count"] < in_chat["count"]
+    go_on = messages + [{"role": "assistant", "content": "It is sunny and"}]
+    cont = tokenize(server, {"messages": go_on, "continue_final_message": True, "add_generation_prompt": False})
+    assert detokenize(server, {"tokens": cont["tokens"]})["prompt"].endswith("<|im_start|>assistant\nIt is sunny and")
     tools = tokenize(server, {"messages": messages, "tools": TOOLS, "tool_choice": named})
     assert tools["count"] == with_tools["usage"]["prompt_tokens"] > in_chat["count"]  # the tools are described
 
@@ -47,7 +50,7 @@ def test_tokenize_counts_what_the_completion_uses(stack):
     (tokenize, {"prompt": 5}, 400, "prompt"),
     (tokenize, {"messages": []}, 400, "messages"),
     (tokenize, {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, 400,
-     "continue_final_message"),
+     "continue_final_message"),  # and add_generation_prompt, true by default
     (tokenize, [1], 400, None),
     (detokenize, {"tokens": [1, -1]}, 400, "tokens"),
     (detokenize, {"tokens": ["a"]}, 400, "tokens.0"),
