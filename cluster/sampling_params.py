@@ -10,6 +10,7 @@ MAX_STOP_STRING_CHARS = 256
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's limit)
 MAX_ABS_LOGIT_BIAS = 100.0
+MAX_CACHE_SALT_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,9 @@ class SamplingParams:
     (OpenAI's `response_format: {"type": "json_schema"}`; engine/json_schema.py says what is
     supported, and anything else is refused here). `prior_output_tokens` says how many of the
     prompt's last tokens are the request's own earlier output (a migrated request), which JSON
-    mode and json_schema continue from.
+    mode and json_schema continue from. `cache_salt` (vLLM's) keeps the request's prefix-cache
+    blocks apart from those of requests without the same salt: tenants that do not share a salt
+    never hit each other's cache, so none can time another's prompts.
     """
 
     n: int = 1
@@ -53,6 +56,7 @@ class SamplingParams:
     json_object: bool = False
     json_schema: str | None = None
     prior_output_tokens: int = 0
+    cache_salt: str | None = None
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -120,6 +124,9 @@ class SamplingParams:
                 raise bad(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {token}")
         if not isinstance(self.prior_output_tokens, int) or self.prior_output_tokens < 0:
             raise bad(f"prior_output_tokens must be an integer >= 0, got {self.prior_output_tokens!r}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str)
+                                            or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS):
+            raise bad(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
         if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
             raise bad("logit_bias names a token id more than once")
         if self.json_schema is not None:

@@ -7,6 +7,9 @@ sharing a prompt prefix share its blocks:
     tokens   | t0 .. t15 | t16 .. t31 | t32 .. t40 (partial) |
     hashes   |    h0     | h1=H(h0,..)|   none: not cacheable |
 
+h0's parent is a fixed root, or, for a request with a `cache_salt`, the salt's own hash: only
+requests with the same salt (or none) can share blocks.
+
 Blocks whose reference count drops to 0 go to the back of the free queue but keep their
 hash, so a later request can revive them; allocation takes from the front (least recently
 freed first) and only then forgets the hash. `num_free_blocks` counts both.
@@ -27,6 +30,10 @@ _ROOT = b"tandem-prefix-v1"
 
 def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
     return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
+
+
+def hash_salt(salt: str) -> bytes:
+    return hashlib.blake2b(_ROOT + b"/salt/" + salt.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 class BlockManager:
@@ -127,8 +134,9 @@ class BlockManager:
     def _extend_hashes(self, req: Request, num_tokens: int) -> None:
         bs = self.block_size
         hashes = req.block_hashes
+        salt = req.params.cache_salt  # a salted chain starts from its own root: no hash in common
         for i in range(len(hashes), num_tokens // bs):
-            parent = hashes[i - 1] if i else _ROOT
+            parent = hashes[i - 1] if i else _ROOT if salt is None else hash_salt(salt)
             hashes.append(hash_block(parent, req.token_ids[i * bs:(i + 1) * bs]))
 
     def _pop_free(self) -> int:

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_
 from cluster.engine.json_schema import SchemaError
 from cluster.engine.schema_compiler import root_kinds, schema_recognizer, schema_text
 from cluster.router.errors import APIError
-from cluster.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from cluster.sampling_params import MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 MAX_N = 16
 MAX_CHOICES = 64  # prompts x n in one /v1/completions request
@@ -124,6 +124,7 @@ class _Sampling(_Strict):
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]] | None = None
     response_format: dict[str, Any] | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extra (lax, as vLLM: true is 1)
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)  # vLLM's: a tenant's own cache
 
     @field_validator("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty")
@@ -183,6 +184,8 @@ class _Sampling(_Strict):
             raise APIError(400, f"logit_bias token ids must be in [0, {vocab_size})", param="logit_bias")
         return pairs
 
+    _clean_salt = field_validator("cache_salt")(clean_text)
+
     @field_validator("stop")
     @classmethod
     def _clean_stop(cls, v: Any) -> Any:
@@ -223,6 +226,7 @@ class _Sampling(_Strict):
                 logit_bias=logit_bias,
                 json_object=self.json_object,
                 json_schema=self.json_schema,
+                cache_salt=self.cache_salt,
             )
         except ValueError as exc:
             raise APIError(400, str(exc)) from None

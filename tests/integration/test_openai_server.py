@@ -85,6 +85,9 @@ def test_stop_string_ends_the_text(stack):
     (chat(prompt_logprobs=1, stream=True), 400, "prompt_logprobs"),  # as in vLLM: not streamed
     (chat(prompt_logprobs=21), 400, "prompt_logprobs"),
     (chat(prompt_logprobs=-1), 400, "prompt_logprobs"),  # vLLM's "the whole vocabulary": refused
+    (chat(cache_salt=""), 400, "cache_salt"),
+    (chat(cache_salt="s" * 257), 400, "cache_salt"),
+    (chat(cache_salt="\ud800nope"), 400, "cache_salt"),  # a lone surrogate: not text
     ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
     ([1, 2], 400, None),
 ])
@@ -370,3 +373,23 @@ def test_continue_final_message_goes_on_with_the_assistants_words(stack):
             run(server.chat(chat(messages=messages, **bad)))
         assert info.value.status == 400 and info.value.param == "continue_final_message"
 
+
+
+def test_cache_salt_keeps_prefix_cache_hits_within_a_tenant(stack):
+    """vLLM's cache_salt: a prompt sent again hits the prefix cache only under the same salt (or
+    none), in the pool that prefills it: colocated, and the prefill pool when disaggregated."""
+    prompt = "In a hole in the ground there lived a hobbit, salted. " * 5
+
+    async def hits(name: str, pool: str, salt: str | None) -> int:
+        before = (await stack[pool].stats())["prefix_cache_hits"]
+        salted = {"cache_salt": salt} if salt else {}
+        await stack[name].completions({"model": MODEL, "prompt": prompt, "max_tokens": 1, **salted})
+        return (await stack[pool].stats())["prefix_cache_hits"] - before
+
+    async def go():
+        return {name: [await hits(name, pool, s) for s in ("tenant-a", "tenant-a", "tenant-b", None, None)]
+                for name, pool in (("colocated", "colocated_server"), ("disagg", "prefill"))}
+
+    for name, (a, a_again, b, plain, plain_again) in run(go()).items():
+        assert a == 0 and a_again > 0 and a_again == plain_again, name  # the whole cached prefix, each time
+        assert b == 0 and plain == 0, name  # another tenant's prompt, or an unsalted one, starts cold

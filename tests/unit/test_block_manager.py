@@ -45,6 +45,26 @@ def test_shared_prefix_reuses_blocks_and_counts_hits():
     assert bm.num_free_blocks == 16
 
 
+def test_cache_salt_keeps_tenants_out_of_each_others_prefix_cache():
+    bm = BlockManager(num_blocks=32, block_size=4)
+    prompt = list(range(1, 14))
+
+    def run(salt):  # a request of `prompt` with that salt, left cached: its prefix hits
+        req = make_request(prompt=prompt, cache_salt=salt)
+        hits = bm.find_cached_prefix(req)
+        assert bm.allocate(req, 13 - 4 * len(hits), hits)
+        req.num_computed_tokens = 13
+        bm.cache_full_blocks(req)
+        bm.free(req)
+        return len(hits)
+
+    assert run("tenant-a") == 0
+    assert run("tenant-a") == 3  # the same salt shares the prefix
+    assert run("tenant-b") == 0 and run(None) == 0  # another salt, or none, does not
+    assert run(None) == 3 and run("tenant-b") == 3
+    assert bm.num_free_blocks == 32
+
+
 def test_fully_cached_prompt_still_computes_its_last_token_in_a_private_block():
     bm = BlockManager(num_blocks=16, block_size=4)
     prompt = list(range(1, 9))  # exactly 2 blocks
