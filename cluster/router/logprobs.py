@@ -36,7 +36,7 @@ def echo_entries(prompt_ids: list[int], scored: list[TokenLogprobs | None] | Non
     if scored is None or k is None:
         return []
     first = TokenLogprobs(Logprob(prompt_ids[0], None), None)  # type: ignore[arg-type]
-    return [first, *(TokenLogprobs(e.sampled, e.top[:k], e.rank) for e in scored[1:] if e is not None)]
+    return [first, *(TokenLogprobs(e.sampled, e.top[:k], e.rank) for e in scored[1:])]  # type: ignore[union-attr]
 
 
 def vllm_prompt_logprobs(scored: list[TokenLogprobs | None], piece: Piece, k: int) -> list[dict[str, Any] | None]:

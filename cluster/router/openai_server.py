@@ -30,7 +30,7 @@ from typing import Any, AsyncIterator, Callable, NamedTuple
 from cluster.outputs import TokenDelta, TokenLogprobs
 from cluster.router.logprobs import echo_entries, openai_logprobs, vllm_prompt_logprobs
 from cluster.router.errors import APIError, parse_body
-from cluster.router.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.router.protocol import ChatCompletionRequest, ChatPrompt, CompletionRequest
 from cluster.router.streams import SSEStream, deadline_after, merge_samples, within
 from cluster.router.tools import CallStream, ToolPlan, messages as template_messages, plan as tool_plan
 from cluster.sampling_params import SamplingParams
@@ -116,11 +116,11 @@ class OpenAIServer:
             req.check_stream_options()
             req.check_supported()
             ids, tools = self.chat_prompt(req)
-            held = tools is not None or (req.response_format or {}).get("type", "text") != "text"
-            if tools is not None and req.response_format and req.response_format.get("type") != "text":
+            as_json = (req.response_format or {}).get("type", "text") != "text"
+            if tools is not None and as_json:
                 raise APIError(400, "response_format and a tool_choice that calls tools exclude each other",
                                param="response_format")
-            if held and req.continue_final_message:  # the reply would not start where its JSON does
+            if req.continue_final_message and (tools is not None or as_json):  # its JSON starts the reply
                 raise APIError(400, "continue_final_message cannot be held to JSON (response_format, tool calls)",
                                param="continue_final_message")
             prompts = [ids]
@@ -147,7 +147,7 @@ class OpenAIServer:
                     for i, (ids, ps) in enumerate(zip(prompts, per_prompt)) for j in range(req.n)]
         return Prepared(kind, req, per_prompt[0], rid, children, sum(len(ids) for ids in prompts), tools, echo)
 
-    def chat_prompt(self, req: Any) -> tuple[list[int], ToolPlan | None]:
+    def chat_prompt(self, req: ChatPrompt) -> tuple[list[int], ToolPlan | None]:
         """A chat request's (or /tokenize's) prompt ids through the chat template, and the tool
         calls its reply is held to."""
         if req.continue_final_message and req.add_generation_prompt:

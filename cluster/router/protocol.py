@@ -97,6 +97,20 @@ class ChatMessage(_Strict):
         return out
 
 
+class ChatPrompt(_Strict):
+    """What a chat's prompt is made of (chat completions, /tokenize): the messages, the tools
+    (checked by router/tools.py), and vLLM's say on where the prompt ends: a new assistant turn
+    (`add_generation_prompt`), or inside the last message (`continue_final_message`, with
+    add_generation_prompt false), for the reply to go on with it."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = True
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+
+
 class StreamOptions(_Strict):
     include_usage: StrictBool = False
 
@@ -232,17 +246,11 @@ class _Sampling(_Strict):
             raise APIError(400, str(exc)) from None
 
 
-class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
+class ChatCompletionRequest(_Sampling, ChatPrompt):
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: Any = None  # checked by router/tools.py
-    tool_choice: Any = None
-    parallel_tool_calls: Any = True
     functions: list[Any] | None = None
-    add_generation_prompt: StrictBool = True  # vLLM's extras: false with continue_final_message, which
-    continue_final_message: StrictBool = False  # ends the prompt inside the last message for the reply to go on
 
     def check_supported(self) -> None:
         self.check_response_format()

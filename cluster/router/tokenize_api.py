@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, field_validator
 
 from cluster.router.openai_server import OpenAIServer
 from cluster.router.errors import APIError, parse_body
-from cluster.router.protocol import ChatMessage, clean_text
+from cluster.router.protocol import ChatPrompt, clean_text
 
 
 class _Body(BaseModel):
@@ -37,13 +37,8 @@ class TokenizeText(_Tokenize):
     _clean = field_validator("prompt")(clean_text)
 
 
-class TokenizeChat(_Tokenize):
-    messages: list[ChatMessage] = Field(min_length=1)
-    add_generation_prompt: StrictBool = True
-    continue_final_message: StrictBool = False
-    tools: Any = None  # as chat completions take them (router/tools.py)
-    tool_choice: Any = None
-    parallel_tool_calls: Any = True
+class TokenizeChat(_Tokenize, ChatPrompt):
+    """A chat's prompt as chat completions take it, with /tokenize's own options."""
 
 
 class Detokenize(_Body):
