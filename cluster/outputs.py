@@ -59,6 +59,7 @@ class PrefillResult:
     first_logprobs: TokenLogprobs | None
     block_ids: list[int]
     prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.., when asked for
+    num_cached_tokens: int = 0  # prompt tokens the prefill side's prefix cache served
 
 
 @dataclass

@@ -57,9 +57,7 @@ class DecodeWorker:
         """
         if handoff.finished:  # nothing was sent: the first token's own stop check ends R here
             self.connector.cancel(request_id)
-            return self.engine.finish_remote(request_id, ok=False, first_token=handoff.first_token,
-                                             first_logprobs=handoff.first_logprobs,
-                                             prompt_logprobs=handoff.prompt_logprobs, recompute=True)
+            return self._finish(request_id, handoff, ok=False)
         try:
             if error is not None:
                 raise error
@@ -68,18 +66,18 @@ class DecodeWorker:
             self.engine.import_kv(request_id, packed)
         except KVTransferError as exc:
             self.counters[f"kv_failed_{exc.kind}"] += 1
-            out = self.engine.finish_remote(request_id, ok=False, first_token=handoff.first_token,
-                                            first_logprobs=handoff.first_logprobs,
-                                            prompt_logprobs=handoff.prompt_logprobs,
-                                            recompute=self.policy == "recompute")
+            out = self._finish(request_id, handoff, ok=False, recompute=self.policy == "recompute")
             if self.policy == "fail":
                 raise
             self.counters["recomputed"] += 1
             return out
         self.counters["kv_landed"] += 1
-        return self.engine.finish_remote(request_id, ok=True, first_token=handoff.first_token,
-                                         first_logprobs=handoff.first_logprobs,
-                                         prompt_logprobs=handoff.prompt_logprobs)
+        return self._finish(request_id, handoff, ok=True)
+
+    def _finish(self, request_id: str, handoff: PrefillHandoff, ok: bool,
+                recompute: bool = True) -> RequestOutput | None:
+        return self.engine.finish_remote(request_id, ok, handoff.first_token, handoff.first_logprobs,
+                                         recompute, handoff.prompt_logprobs, handoff.num_cached_tokens)
 
     def abandon(self, request_id: str) -> None:
         """The prefill side never produced R's first token: recompute from the prompt, or drop R."""

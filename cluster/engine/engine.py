@@ -142,7 +142,7 @@ class LLMEngine:
         self._forget(request_id)
         scores = req.prompt_logprobs if req.params.prompt_logprobs is not None else None
         return PrefillResult(request_id, req.prompt_token_ids, req.output_token_ids[0], lps[0],
-                             list(req.block_ids), scores)
+                             list(req.block_ids), scores, req.num_cached_tokens)
 
     def export_kv(self, request_id: str) -> torch.Tensor:
         req = self.scheduler.held[request_id]
@@ -171,7 +171,8 @@ class LLMEngine:
     def finish_remote(self, request_id: str, ok: bool, first_token: int | None = None,
                       first_logprobs: TokenLogprobs | None = None,
                       recompute: bool = True,
-                      prompt_logprobs: list[TokenLogprobs] | None = None) -> RequestOutput | None:
+                      prompt_logprobs: list[TokenLogprobs] | None = None,
+                      num_cached_tokens: int = 0) -> RequestOutput | None:
         """KV landed (ok) or failed: join the batch, recompute locally, or fail.
 
         `first_token` is the token the prefill side sampled; with it the request continues
@@ -179,8 +180,10 @@ class LLMEngine:
         prefill itself failed) a recompute starts from the prompt. Returns the output that
         carries the first token (or the failure), None when nothing is known yet.
         `prompt_logprobs`: the prefill side's, for prompt tokens 1.. (a recompute then skips them).
+        `num_cached_tokens`: what the prefill side's prefix cache served (a recompute counts its own).
         """
         req = self.scheduler.remote[request_id]
+        req.num_cached_tokens = num_cached_tokens
         if prompt_logprobs is not None:
             req.prompt_logprobs = list(prompt_logprobs)
         if first_token is not None:

@@ -39,6 +39,7 @@ class PrefillHandoff:
     kv_send_s: float = 0.0  # of which moving the KV (the connector's send)
     kv_bytes: int = 0
     prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.., when asked for
+    num_cached_tokens: int = 0  # prompt tokens this side's prefix cache served (usage's cached_tokens)
 
 
 class PrefillCancelled(Exception):
@@ -77,7 +78,7 @@ class PrefillWorker:
         if done.finish_reason is not None:  # ended on its first token: nothing held
             return PrefillHandoff(request_id, done.token_ids[0], (done.logprobs or [None])[0],
                                   finished=True, finish_reason=done.finish_reason,
-                                  num_prompt_tokens=len(out.prompt_token_ids),
+                                  num_prompt_tokens=len(out.prompt_token_ids), num_cached_tokens=out.num_cached_tokens,
                                   prompt_logprobs=None if out.prompt_logprobs is None else out.prompt_logprobs[1:])
         result = engine.take_prefilled(request_id)
         payload = engine.export_kv(request_id)
@@ -92,7 +93,7 @@ class PrefillWorker:
         return PrefillHandoff(request_id, result.first_token, result.first_logprobs, receipt,
                               num_prompt_tokens=len(result.prompt_token_ids),
                               kv_send_s=time.monotonic() - sending, kv_bytes=payload.numel() * payload.element_size(),
-                              prompt_logprobs=result.prompt_logprobs)
+                              prompt_logprobs=result.prompt_logprobs, num_cached_tokens=result.num_cached_tokens)
 
     def ack(self, request_id: str) -> bool:
         """The decode side is done with R's KV (landed or given up): free R's blocks."""

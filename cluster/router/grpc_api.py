@@ -93,12 +93,15 @@ async def generate(server: OpenAIServer, req: pb.GenerateRequest, timeout_s: flo
     with_logprobs = prepared.params.logprobs is not None
     samples = server.samples(prepared)
     completion = 0
+    cached: list[int | None] = [None] * len(prepared.children)  # per choice, from its first delta
     try:
         while True:
             try:
                 j, d = await within(samples.__anext__(), deadline)
             except StopAsyncIteration:
                 break
+            if cached[j] is None:
+                cached[j] = d.num_cached_tokens
             if not (d.text or d.token_ids or d.finish_reason):
                 continue
             completion += len(d.token_ids)
@@ -115,7 +118,8 @@ async def generate(server: OpenAIServer, req: pb.GenerateRequest, timeout_s: flo
         await samples.aclose()
     prompt = prepared.prompt_tokens
     yield pb.GenerateResponse(id=prepared.request_id, usage=pb.Usage(
-        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion))
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+        cached_tokens=prepared.cached_tokens(cached)))
 
 
 def _logprobs(server: OpenAIServer, entry: Any) -> pb.TokenLogprob:

@@ -46,6 +46,7 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    cached_tokens: int | None = None  # its prompt's tokens served by a prefix cache (first delta's)
 
 
 class Child(NamedTuple):
@@ -67,6 +68,11 @@ class Prepared:
     prompt_tokens: int  # usage: every prompt's tokens, once each (n samples share their prompt)
     tools: ToolPlan | None = None  # chat: the calls the reply is held to (router/tools.py)
     echo: list[str] | None = None  # completions with echo: per prompt, the text each choice starts with
+
+    def cached_tokens(self, per_choice: list[int | None]) -> int:
+        """usage's cached_tokens: per prompt, what its first sample found cached (as prompt_tokens
+        counts each prompt once)."""
+        return sum(per_choice[i] or 0 for i in range(0, len(per_choice), self.request.n))
 
     def echo_of(self, choice: int) -> str | None:
         return None if self.echo is None else self.echo[choice // self.request.n]
@@ -229,6 +235,8 @@ class OpenAIServer:
                 choice.finish_reason, choice.stop_reason = d.finish_reason, d.stop_reason
                 if d.prompt_logprobs is not None:
                     choice.prompt_logprobs = d.prompt_logprobs
+                if choice.cached_tokens is None:  # a migrated request's later deltas count its new prompt
+                    choice.cached_tokens = d.num_cached_tokens
         return choice
 
     # -- shapes ----------------------------------------------------------------------
@@ -248,7 +256,7 @@ class OpenAIServer:
         completion = sum(len(c.token_ids) for c in choices)
         response = {"id": p.request_id, "object": "chat.completion" if kind == "chat" else "text_completion",
                     "created": created, "model": self.model_name, "choices": out,
-                    "usage": _usage(p.prompt_tokens, completion)}
+                    "usage": _usage(p.prompt_tokens, completion, p.cached_tokens([c.cached_tokens for c in choices]))}
         if scores is not None and kind == "chat":  # one prompt: once, beside the choices
             response["prompt_logprobs"] = vllm_prompt_logprobs(choices[0].prompt_logprobs, self.token_text, scores)
         return response
@@ -265,6 +273,7 @@ class OpenAIServer:
         offsets = [0] * n  # per choice: where its next token starts in its text (completions logprobs)
         calls = [CallStream(tools) for _ in range(n)] if tools is not None else None
         echoed = [False] * n
+        cached: list[int | None] = [None] * n  # per choice, from its first delta
 
         def chunk(choices: list[dict[str, Any]]) -> str:
             return f"data: {json.dumps({**base, 'choices': choices, **extra}, ensure_ascii=False)}\n\n"
@@ -276,6 +285,8 @@ class OpenAIServer:
             item: tuple[int, TokenDelta] | None = first
             while item is not None:
                 j, d = item
+                if cached[j] is None:
+                    cached[j] = d.num_cached_tokens
                 if p.echo_only:
                     d = dataclasses.replace(d, text="", token_ids=[], logprobs=None, stop_reason=None,
                                             finish_reason=d.finish_reason and "length")
@@ -308,7 +319,7 @@ class OpenAIServer:
         finally:
             await rest.aclose()
         if include_usage:
-            usage = _usage(p.prompt_tokens, completion_tokens)
+            usage = _usage(p.prompt_tokens, completion_tokens, p.cached_tokens(cached))
             yield f"data: {json.dumps({**base, 'choices': [], 'usage': usage})}\n\n"
         yield "data: [DONE]\n\n"
 
@@ -318,5 +329,8 @@ def _child_seed(seed: int | None, j: int) -> int | None:
     return None if seed is None else (seed + j) % 2**63
 
 
-def _usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    """OpenAI's usage object; `prompt_tokens_details.cached_tokens`: prompt tokens a prefix cache
+    served (not computed again), as OpenAI reports prompt caching."""
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}

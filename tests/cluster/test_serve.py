@@ -50,6 +50,8 @@ def test_disaggregated_app_end_to_end(serve_url):
             usage = chunk.usage
     assert "".join(parts) == r.choices[0].message.content and finish == "stop"
     assert usage.completion_tokens == r.usage.completion_tokens
+    # asked again: the prefill pool's prefix cache served the question's whole blocks
+    assert r.usage.prompt_tokens > usage.prompt_tokens_details.cached_tokens >= 16
 
     two = c.chat.completions.create(model=model, messages=QUESTION, n=2, temperature=1.0, seed=11, max_tokens=16)
     again = c.chat.completions.create(model=model, messages=QUESTION, n=2, temperature=1.0, seed=11, max_tokens=16)

@@ -122,6 +122,21 @@ def test_completion_prompts_text_and_token_ids(stack):
     assert by_ids[-1].usage.prompt_tokens == len(ids)
 
 
+def test_usage_counts_the_prompt_tokens_a_prefix_cache_served(stack):
+    text = "Under the mountain the dragon sleeps on his hoard of gold and gems. " * 4
+    server = stack["disagg"]
+
+    async def go():
+        first = await collect(server, pb.GenerateRequest(model=MODEL, text=text, max_tokens=2))
+        again = await collect(server, pb.GenerateRequest(model=MODEL, text=text, max_tokens=2))
+        http = await server.completions({"model": MODEL, "prompt": text, "max_tokens": 2})
+        return first[-1].usage, again[-1].usage, http["usage"]
+
+    first, again, http = run(go())
+    assert first.cached_tokens == 0  # new to the prefill pool
+    assert 0 < again.cached_tokens == http["prompt_tokens_details"]["cached_tokens"] < again.prompt_tokens
+
+
 def test_logit_bias_over_grpc_is_the_http_one(stack):
     server = stack["disagg"]
     free = server.tokenizer.encode("The shelves hold")

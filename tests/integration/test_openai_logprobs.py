@@ -65,7 +65,8 @@ def test_echo_scores_the_prompt_as_generation_scored_its_tokens(stack):
         assert lp["token_logprobs"][n:n + 6] == pytest.approx(reply_lps, abs=1e-4)
         assert all(len(top) == 2 and max(top.values()) >= score - 1e-6
                    for top, score in zip(lp["top_logprobs"][1:], lp["token_logprobs"][1:]))
-        assert out["usage"] == {"prompt_tokens": n + 6, "completion_tokens": 1, "total_tokens": n + 7}
+        assert out["usage"] == {"prompt_tokens": n + 6, "completion_tokens": 1, "total_tokens": n + 7,
+                                "prompt_tokens_details": {"cached_tokens": 0}}  # a scored prompt is computed
     for j in (0, 1):
         parts = [c["choices"][0] for c in streamed[:-1] if c["choices"][0]["index"] == j]
         assert parts[0]["text"].startswith(prompt)  # the choice's first chunk starts with the prompt

@@ -235,7 +235,8 @@ def test_continue_final_message_goes_on_with_the_assistants_words(stack):
 
     continued, same_text = run(go())
     assert continued["choices"][0]["message"]["content"] == same_text["choices"][0]["text"]
-    assert continued["usage"] == same_text["usage"]
+    counts = ("prompt_tokens", "completion_tokens")  # the same text again: more of it is cached
+    assert [continued["usage"][k] for k in counts] == [same_text["usage"][k] for k in counts]
     for bad in ({"continue_final_message": True},  # add_generation_prompt is true unless said otherwise
                 {**flags, "response_format": {"type": "json_object"}}):  # a reply held to JSON starts anew
         with pytest.raises(APIError) as info:
@@ -252,8 +253,10 @@ def test_cache_salt_keeps_prefix_cache_hits_within_a_tenant(stack):
     async def hits(name: str, pool: str, salt: str | None) -> int:
         before = (await stack[pool].stats())["prefix_cache_hits"]
         salted = {"cache_salt": salt} if salt else {}
-        await stack[name].completions({"model": MODEL, "prompt": prompt, "max_tokens": 1, **salted})
-        return (await stack[pool].stats())["prefix_cache_hits"] - before
+        out = await stack[name].completions({"model": MODEL, "prompt": prompt, "max_tokens": 1, **salted})
+        hit = (await stack[pool].stats())["prefix_cache_hits"] - before
+        assert out["usage"]["prompt_tokens_details"] == {"cached_tokens": hit}  # what the client is told
+        return hit
 
     async def go():
         return {name: [await hits(name, pool, s) for s in ("tenant-a", "tenant-a", "tenant-b", None, None)]
@@ -262,3 +265,29 @@ def test_cache_salt_keeps_prefix_cache_hits_within_a_tenant(stack):
     for name, (a, a_again, b, plain, plain_again) in run(go()).items():
         assert a == 0 and a_again > 0 and a_again == plain_again, name  # the whole cached prefix, each time
         assert b == 0 and plain == 0, name  # another tenant's prompt, or an unsalted one, starts cold
+
+
+def test_usage_reports_the_prompt_tokens_a_prefix_cache_served(stack):
+    """OpenAI's usage.prompt_tokens_details.cached_tokens: a prompt sent again reports the whole
+    blocks its pool found cached (the prefill pool's, when disaggregated), streamed or not, and
+    once per prompt as prompt_tokens counts it, however many samples share the prompt."""
+    prompt = "Far over the misty mountains cold, to dungeons deep and caverns old. " * 4
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+
+    async def go(name: str, pool: str):
+        server = stack[name]
+        first = (await server.completions(body))["usage"]
+        before = (await stack[pool].stats())["prefix_cache_hits"]
+        two = (await server.completions({**body, "n": 2, "temperature": 1.0, "seed": 3}))["usage"]
+        both_hits = (await stack[pool].stats())["prefix_cache_hits"] - before
+        chunks = await drain(await server.completions({**body, "stream": True,
+                                                       "stream_options": {"include_usage": True}}))
+        return first, two, both_hits, chunks[-2]["usage"]
+
+    for name, pool in (("colocated", "colocated_server"), ("disagg", "prefill")):
+        first, two, both_hits, streamed = run(go(name, pool))
+        assert first["prompt_tokens_details"] == {"cached_tokens": 0}, name  # a prompt new to the pool
+        cached = two["prompt_tokens_details"]["cached_tokens"]
+        assert 0 < cached < two["prompt_tokens"] == first["prompt_tokens"] and cached % 16 == 0, name
+        assert both_hits == 2 * cached, name  # each sample hit the cache; the prompt is counted once
+        assert streamed == {**first, "prompt_tokens_details": {"cached_tokens": cached}}, name
