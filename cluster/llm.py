@@ -40,9 +40,12 @@ class LLM:
         return self._run(batch, params)
 
     def chat(self, messages: Conversation | Sequence[Conversation],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """`chat_template_kwargs`: extra variables for the chat template (those it reads)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts: list[Prompt] = [self.engine.tokenizer.encode_chat(c) for c in conversations]  # type: ignore[arg-type]
+        prompts: list[Prompt] = [self.engine.tokenizer.encode_chat(c, template_kwargs=chat_template_kwargs)
+                                 for c in conversations]  # type: ignore[arg-type]
         return self.generate(prompts, sampling_params)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:

@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import json
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from transformers import AutoTokenizer, PreTrainedConfig
 
 from cluster.engine.json_mode import token_bytes, whitespace_ids
+
+# What a request's template variables may never set: the render's own arguments, what
+# transformers puts in every template's scope, and the model's special tokens.
+RESERVED_TEMPLATE_VARIABLES = frozenset({
+    "messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "chat_template", "tokenize", "return_dict", "return_tensors", "return_assistant_tokens_mask", "padding",
+    "truncation", "max_length", "tokenizer_kwargs", "raise_exception", "strftime_now", "namespace", "dict",
+    "bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token",
+    "additional_special_tokens"})
 
 
 class Tokenizer:
@@ -39,20 +48,31 @@ class Tokenizer:
         return self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def chat_prompt(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: Sequence[dict[str, Any]] | None = None, continue_final_message: bool = False) -> str:
+                    tools: Sequence[dict[str, Any]] | None = None, continue_final_message: bool = False,
+                    template_kwargs: Mapping[str, Any] | None = None) -> str:
         """The template's text; `continue_final_message`: ending inside the last message, for
-        the model to go on with it (instead of a new assistant turn)."""
+        the model to go on with it (instead of a new assistant turn). `template_kwargs`: extra
+        variables (vLLM's chat_template_kwargs, e.g. `enable_thinking`); only those the template
+        reads are passed, never a reserved one."""
         if not self.hf.chat_template:
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
+        reads = self.template_variables - RESERVED_TEMPLATE_VARIABLES
+        extra = {k: v for k, v in (template_kwargs or {}).items() if k in reads}
         return self.hf.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
                                            continue_final_message=continue_final_message,
-                                           tokenize=False, tools=list(tools) if tools else None)
+                                           tokenize=False, tools=list(tools) if tools else None, **extra)
 
     def encode_chat(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
-                    add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """The chat template already writes the special tokens, so none are added on top."""
-        text = self.chat_prompt(messages, add_generation_prompt, tools, continue_final_message)
+        text = self.chat_prompt(messages, add_generation_prompt, tools, continue_final_message, template_kwargs)
         return list(self.hf.encode(text, add_special_tokens=False))
+
+    @property
+    def template_variables(self) -> frozenset[str]:
+        """The variables the chat template reads from outside itself."""
+        return _template_variables(self.hf.chat_template or "")
 
     @property
     def template_takes_tools(self) -> bool:
@@ -72,3 +92,12 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return len(self.hf)
+
+
+@lru_cache(maxsize=8)
+def _template_variables(template: str) -> frozenset[str]:
+    from jinja2 import meta
+    from transformers.utils.chat_template_utils import _compile_jinja_template  # transformers' own environment
+
+    env = _compile_jinja_template(template).environment  # its extensions parse its tags ({% generation %})
+    return frozenset(meta.find_undeclared_variables(env.parse(template)))

@@ -164,7 +164,8 @@ class OpenAIServer:
         messages = template_messages([m.as_dict() for m in req.messages], tools, native)
         try:
             return self.tokenizer.encode_chat(messages, tools.tools if tools and native else None,
-                                              req.add_generation_prompt, req.continue_final_message), tools
+                                              req.add_generation_prompt, req.continue_final_message,
+                                              req.chat_template_kwargs), tools
         except Exception as exc:  # a template that rejects this conversation
             raise APIError(400, f"cannot apply the chat template: {type(exc).__name__}") from None
 

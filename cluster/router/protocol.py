@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_
 
 from cluster.engine.json_schema import SchemaError
 from cluster.engine.schema_compiler import root_kinds, schema_recognizer, schema_text
+from cluster.engine.tokenizer import RESERVED_TEMPLATE_VARIABLES
 from cluster.router.errors import APIError
 from cluster.sampling_params import MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
@@ -101,7 +102,9 @@ class ChatPrompt(_Strict):
     """What a chat's prompt is made of (chat completions, /tokenize): the messages, the tools
     (checked by router/tools.py), and vLLM's say on where the prompt ends: a new assistant turn
     (`add_generation_prompt`), or inside the last message (`continue_final_message`, with
-    add_generation_prompt false), for the reply to go on with it."""
+    add_generation_prompt false), for the reply to go on with it. `chat_template_kwargs`: vLLM's
+    extra template variables; those the template does not read are ignored, as in vLLM, and one
+    the server sets itself (messages, tools, chat_template, special tokens...) is a 400."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     tools: Any = None
@@ -109,6 +112,15 @@ class ChatPrompt(_Strict):
     parallel_tool_calls: Any = True
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_reserved(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = sorted(RESERVED_TEMPLATE_VARIABLES.intersection(v or {}))
+        if reserved:
+            raise ValueError(f"{reserved[0]!r} is the server's to set, not a template variable a request may pass")
+        return v
 
 
 class StreamOptions(_Strict):
