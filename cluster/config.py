@@ -66,21 +66,29 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous batching limits per engine step.
 
     max_num_batched_tokens is the token budget of one step (decode tokens + prefill
     chunk tokens); prompts longer than the budget are prefilled in chunks when
-    `enable_chunked_prefill`, else they must fit in one step.
+    `enable_chunked_prefill`, else they must fit in one step. `scheduling_policy`: "fcfs"
+    (arrival order; a request's `priority` must be 0) or "priority" (vLLM's: lower `priority`
+    first, then arrival; engine/scheduler.py).
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     enable_chunked_prefill: bool = True
     max_waiting: int = 4096
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < 1:

@@ -11,6 +11,7 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's limit)
 MAX_ABS_LOGIT_BIAS = 100.0
 MAX_CACHE_SALT_CHARS = 256
+MAX_ABS_PRIORITY = 2**31  # priorities are in [-2**31, 2**31)
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,9 @@ class SamplingParams:
     prompt's last tokens are the request's own earlier output (a migrated request), which JSON
     mode and json_schema continue from. `cache_salt` (vLLM's) keeps the request's prefix-cache
     blocks apart from those of requests without the same salt: tenants that do not share a salt
-    never hit each other's cache, so none can time another's prompts.
+    never hit each other's cache, so none can time another's prompts. `priority` (vLLM's request
+    priority, carried here so it travels with the request through both pools): under the engine's
+    `scheduling_policy: priority`, lower values are scheduled first; under "fcfs" it must be 0.
     """
 
     n: int = 1
@@ -57,6 +60,7 @@ class SamplingParams:
     json_schema: str | None = None
     prior_output_tokens: int = 0
     cache_salt: str | None = None
+    priority: int = 0
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -127,6 +131,9 @@ class SamplingParams:
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str)
                                             or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS):
             raise bad(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
+        if (not isinstance(self.priority, int) or isinstance(self.priority, bool)
+                or not -MAX_ABS_PRIORITY <= self.priority < MAX_ABS_PRIORITY):
+            raise bad(f"priority must be an integer in [-2**31, 2**31), got {self.priority!r}")
         if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
             raise bad("logit_bias names a token id more than once")
         if self.json_schema is not None:

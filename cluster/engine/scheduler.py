@@ -6,6 +6,11 @@ blocks allow. When a running request needs a block and none is free, the most re
 admitted running request is preempted: its blocks are freed and it goes back to the front
 of the queue to recompute prompt + output so far.
 
+`scheduling_policy: priority` (vLLM's): the same, with requests ranked by (priority, arrival)
+instead of arrival alone, lower first: running requests take the step's budget and blocks in
+that order, the waiting one ranked first is admitted next (and nothing behind it skips it),
+and the victim of a preemption is the running request ranked last.
+
     engine.step():  plan = scheduler.schedule()     # which requests, how many tokens
                     sampled = runner.execute(plan)  # tensors live only there
                     scheduler.update(plan, sampled) # append tokens, finish, free blocks
@@ -60,6 +65,7 @@ class Scheduler:
         self.held: dict[str, Request] = {}  # FINISHED_PREFILLED, blocks kept for hand-off
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.by_priority = config.scheduling_policy == "priority"
 
     # -- admission -----------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -98,6 +104,8 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.config.max_num_batched_tokens
+        if self.by_priority:  # the request ranked last is the tail, where victims come from
+            self.running.sort(key=_rank)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -126,7 +134,7 @@ class Scheduler:
 
     def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+            req = min(self.waiting, key=_rank) if self.by_priority else self.waiting[0]
             cached = [] if req.needs_prompt_logprobs else self.blocks.find_cached_prefix(req)
             num_cached = len(cached) * self.blocks.block_size
             n = req.num_tokens - num_cached
@@ -136,7 +144,7 @@ class Scheduler:
                 n = budget if self.config.enable_chunked_prefill else n
             if not self.blocks.allocate(req, n, cached):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             req.num_computed_tokens = num_cached
             if req.num_preemptions == 0:
                 req.num_cached_tokens = num_cached
@@ -216,3 +224,9 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+
+def _rank(req: Request) -> tuple[int, float]:
+    """Priority policy: lower priority values first, then earlier arrivals (a preempted
+    request keeps its arrival, so it goes back ahead of its peers)."""
+    return req.params.priority, req.arrival_time

@@ -1,5 +1,7 @@
 """A prefill replica as a plain asyncio object: one engine thread runs prompts one after the
 other (each prompt's chunks fill the step budget), acks free leases, a timer reaps expired ones.
+Prompts run in arrival order, or by (priority, arrival) under `scheduling_policy: priority`
+(prefill/turns.py).
 
 The Serve deployment (cluster/prefill/deployment.py) is a thin shell over this class.
 """
@@ -16,6 +18,7 @@ from typing import Any, Sequence
 from cluster.config import AppConfig
 from cluster.engine.engine import LLMEngine
 from cluster.kvtransfer.base import create_connector
+from cluster.prefill.turns import Turns
 from cluster.prefill.worker import PrefillHandoff, PrefillWorker
 from cluster.sampling_params import SamplingParams
 
@@ -35,6 +38,7 @@ class PrefillServer:
         self._reaper: asyncio.Task | None = None
         self.last_abort_at = 0.0  # wall time a cancelled request's blocks were last released
         self._job_started_at: float | None = None
+        self.turns = Turns() if config.engine.scheduler.scheduling_policy == "priority" else None
 
     async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                       receiver: dict[str, Any]) -> PrefillHandoff:
@@ -44,7 +48,8 @@ class PrefillServer:
         self.queued_requests += 1
         arrived = time.monotonic()
         try:
-            handoff = await self._run(self.worker.prefill, request_id, list(prompt_token_ids), params, receiver)
+            async with self.turns.turn(params.priority) if self.turns else contextlib.nullcontext():
+                handoff = await self._run(self.worker.prefill, request_id, list(prompt_token_ids), params, receiver)
             handoff.prefill_s = time.monotonic() - arrived
             return handoff
         except asyncio.CancelledError:

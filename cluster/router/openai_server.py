@@ -85,8 +85,10 @@ class Prepared:
 class OpenAIServer:
     def __init__(self, model_name: str, tokenizer: Any, max_model_len: int, generate: GenerateFn,
                  clock: Callable[[], float] = time.time,
-                 map_error: Callable[[BaseException], APIError] | None = None) -> None:
+                 map_error: Callable[[BaseException], APIError] | None = None,
+                 scheduling_policy: str = "fcfs") -> None:
         self.model_name = model_name
+        self.scheduling_policy = scheduling_policy  # the pools' (a request's `priority` needs "priority")
         self.tokenizer = tokenizer  # cluster.engine.tokenizer.Tokenizer
         self.max_model_len = max_model_len
         self.generate = generate
@@ -137,6 +139,9 @@ class OpenAIServer:
             req.check_supported()
             tools = None
             prompts = [self._completion_prompt(p) for p in req.prompts()]
+        if req.priority and self.scheduling_policy != "priority":  # as vLLM: not silently first-come
+            raise APIError(400, "priority scheduling is not enabled (the engine's scheduling_policy is "
+                                f"{self.scheduling_policy!r})", param="priority")
         limits = [self._limits(ids, req.requested_max_tokens()) for ids in prompts]  # each its own room
         bias = req.logit_bias_ids(self.tokenizer.vocab_size)
         per_prompt = [req.sampling_params(limit, req.requested_logprobs(), bias) for limit in limits]

@@ -20,7 +20,8 @@ from cluster.engine.json_schema import SchemaError
 from cluster.engine.schema_compiler import root_kinds, schema_recognizer, schema_text
 from cluster.engine.tokenizer import RESERVED_TEMPLATE_VARIABLES
 from cluster.router.errors import APIError
-from cluster.sampling_params import MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from cluster.sampling_params import (MAX_ABS_PRIORITY, MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, MAX_LOGPROBS,
+                                     SamplingParams)
 
 MAX_N = 16
 MAX_CHOICES = 64  # prompts x n in one /v1/completions request
@@ -151,6 +152,7 @@ class _Sampling(_Strict):
     response_format: dict[str, Any] | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extra (lax, as vLLM: true is 1)
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)  # vLLM's: a tenant's own cache
+    priority: StrictInt = Field(0, ge=-MAX_ABS_PRIORITY, lt=MAX_ABS_PRIORITY)  # vLLM's: lower runs first
 
     @field_validator("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty")
@@ -253,6 +255,7 @@ class _Sampling(_Strict):
                 json_object=self.json_object,
                 json_schema=self.json_schema,
                 cache_salt=self.cache_salt,
+                priority=self.priority,
             )
         except ValueError as exc:
             raise APIError(400, str(exc)) from None

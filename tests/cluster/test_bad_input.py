@@ -77,6 +77,7 @@ CASES = {
     "n_zero": ("POST", CHAT, chat(n=0), None, 400, "n"),
     "chat_template_from_the_request": ("POST", CHAT, chat(chat_template_kwargs={"chat_template": f"{{{{ 7*7 }}}}{MARK}"}),
                                        None, 400, "chat_template_kwargs"),
+    "priority_without_the_priority_policy": ("POST", CHAT, chat(priority=-1), None, 400, "priority"),
     "chat_template_kwargs_not_an_object": ("POST", CHAT, chat(chat_template_kwargs=[MARK]), None, 400,
                                            "chat_template_kwargs"),
     "temperature_nan": ("POST", CHAT, chat(temperature=0.5).replace(b"0.5", b"NaN"), None, 400, "temperature"),

@@ -85,6 +85,8 @@ def test_stop_string_ends_the_text(stack):
     (chat(prompt_logprobs=1, stream=True), 400, "prompt_logprobs"),  # as in vLLM: not streamed
     (chat(prompt_logprobs=21), 400, "prompt_logprobs"),
     (chat(prompt_logprobs=-1), 400, "prompt_logprobs"),  # vLLM's "the whole vocabulary": refused
+    (chat(priority=2**31), 400, "priority"),
+    (chat(priority=0.5), 400, "priority"),
     (chat(cache_salt=""), 400, "cache_salt"),
     (chat(cache_salt="s" * 257), 400, "cache_salt"),
     (chat(cache_salt="\ud800nope"), 400, "cache_salt"),  # a lone surrogate: not text

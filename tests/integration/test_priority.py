@@ -1,0 +1,101 @@
+"""vLLM's request `priority` under `scheduling_policy: priority`, over the in-process OpenAI
+server on real engines: a request sent later with a lower priority value is served first,
+colocated (the decode engine's queue) and disaggregated (the prefill replica's line), and a
+request's priority under the default first-come policy is refused, not silently ignored."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cluster.router.errors import APIError
+from openai_helpers import MODEL, chat, run
+
+SHORT = {"temperature": 0, "max_tokens": 2, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def pools(tiny_model_paths):
+    from cluster.config import AppConfig
+    from cluster.decode.server import DecodeServer
+    from cluster.engine.tokenizer import Tokenizer
+    from cluster.prefill.server import LocalPrefillClient, PrefillServer
+    from cluster.router.openai_server import OpenAIServer
+
+    path = str(tiny_model_paths["llama"])
+    args = {"model": path, "kv_transfer": {"connector": "tcp"},
+            "engine": {"num_blocks": 64, "max_num_seqs": 1, "scheduling_policy": "priority"}}
+    prefill, decode = PrefillServer(AppConfig.from_args(args)), DecodeServer(AppConfig.from_args(args))
+    colocated = DecodeServer(AppConfig.from_args({**args, "mode": "colocated"}))
+    prefilled: list[str] = []  # request ids, in the order the prefill replica finished them
+
+    class Recording(LocalPrefillClient):
+        async def prefill(self, request_id, *args):
+            handoff = await super().prefill(request_id, *args)
+            prefilled.append(request_id)
+            return handoff
+
+    tok = Tokenizer(path)
+
+    def server(dec, pre):
+        return OpenAIServer(MODEL, tok, 1024, lambda rid, ids, p: dec.generate(rid, ids, p, pre),
+                            scheduling_policy="priority")
+
+    yield {"colocated": server(colocated, None), "disagg": server(decode, Recording(prefill)),
+           "prefill": prefill, "prefilled": prefilled, "decode": decode, "colocated_server": colocated}
+    for s in (prefill, decode, colocated):
+        s.close()
+
+
+async def first_tokens(server, engine, bodies: list[dict]) -> list[int]:
+    """Streams the bodies, each sent once the one before it is in `engine` (running, then
+    waiting); returns their indices in the order their first token arrived."""
+    order: list[int] = []
+
+    async def one(i: int, body: dict) -> None:
+        async for line in await server.chat({**body, "stream": True}):
+            if i not in order and '"content": "' in line and '"content": ""' not in line:
+                order.append(i)
+
+    tasks = []
+    for i, body in enumerate(bodies):
+        tasks.append(asyncio.create_task(one(i, body)))
+        while sum(engine.routing_stats()[k] for k in ("num_running", "num_waiting")) <= i:
+            await asyncio.sleep(0.005)
+    await asyncio.gather(*tasks)
+    return order
+
+
+def test_colocated_a_later_request_with_a_lower_value_goes_first(pools):
+    blocker = chat(temperature=0, max_tokens=200, ignore_eos=True)  # holds the one running slot
+    bodies = [blocker, chat(priority=10, **SHORT), chat(priority=0, **SHORT), chat(priority=-10, **SHORT)]
+    assert run(first_tokens(pools["colocated"], pools["colocated_server"], bodies)) == [0, 3, 2, 1]
+    assert run(pools["colocated_server"].stats())["blocks_in_use"] == 0
+
+
+def test_disaggregated_the_prefill_replica_takes_the_lowest_value_next(pools):
+    prefill, prefilled = pools["prefill"], pools["prefilled"]
+
+    async def go():
+        async with prefill.turns.turn():  # the replica is busy while three requests arrive
+            tasks = []
+            for priority in (5, 5, -3):
+                tasks.append(asyncio.create_task(pools["disagg"].chat(chat(priority=priority, **SHORT))))
+                await asyncio.sleep(0.05)
+            while prefill.turns.waiting < 3:
+                await asyncio.sleep(0.01)
+            prefilled.clear()
+        replies = await asyncio.gather(*tasks)
+        return [r["id"] for r in replies], list(prefilled), await pools["decode"].stats(), await prefill.stats()
+
+    ids, order, dstats, pstats = run(go())
+    assert order == [f"{ids[2]}-0", f"{ids[0]}-0", f"{ids[1]}-0"]  # -3 first, then the two 5s as they came
+    assert dstats["blocks_in_use"] == 0 and pstats["blocks_in_use"] == 0 and pstats["leases"] == 0
+
+
+def test_priority_needs_the_priority_policy(stack):
+    with pytest.raises(APIError) as info:
+        run(stack["colocated"].chat(chat(priority=1)))  # the stack's engines run first-come, first-served
+    assert info.value.status == 400 and info.value.param == "priority" and "not enabled" in info.value.message
+    assert run(stack["colocated"].chat(chat(priority=0, max_tokens=1)))["choices"]  # 0 is every request's
