@@ -81,17 +81,17 @@ class BlockManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_queries += req.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
         return hits
 
     def allocate(self, req: Request, num_new_tokens: int, cached: list[int] | None = None) -> bool:
         """Make `req.block_ids` cover num_computed_tokens (+ cached) + num_new_tokens.
 
-        `cached` (from find_cached_prefix) is taken on the request's first allocation.
+        `cached` (from find_cached_prefix) is taken on the request's first allocation, and
+        counted then as one lookup (prefix_queries, prefix_hits): a request that waits for
+        free blocks looks up again each step, but is counted once, when it is admitted.
         Returns False, changing nothing, when there are not enough free blocks.
         """
-        cached = cached or []
+        looked_up, cached = cached is not None, cached or []
         total = req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
         need = self.blocks_needed(total) - len(req.block_ids) - len(cached)
         revived = sum(1 for b in cached if self.ref_counts[b] == 0)
@@ -103,6 +103,9 @@ class BlockManager:
             self.ref_counts[block] += 1
         req.block_ids.extend(cached)
         req.block_ids.extend(self._pop_free() for _ in range(max(need, 0)))
+        if looked_up:
+            self.prefix_queries += req.num_tokens
+            self.prefix_hits += len(cached) * self.block_size
         return True
 
     def free(self, req: Request) -> None:

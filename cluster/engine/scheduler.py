@@ -135,8 +135,8 @@ class Scheduler:
     def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = min(self.waiting, key=_rank) if self.by_priority else self.waiting[0]
-            cached = [] if req.needs_prompt_logprobs else self.blocks.find_cached_prefix(req)
-            num_cached = len(cached) * self.blocks.block_size
+            cached = None if req.needs_prompt_logprobs else self.blocks.find_cached_prefix(req)  # None: no lookup
+            num_cached = len(cached or []) * self.blocks.block_size
             n = req.num_tokens - num_cached
             if n > budget:
                 if not self.config.enable_chunked_prefill and plan.chunks:

@@ -157,3 +157,18 @@ def test_an_unknown_policy_or_a_bad_priority_is_refused():
         make_scheduler(scheduling_policy="lifo")
     with pytest.raises(ValueError, match="priority"):
         make_request(priority=1.5)
+
+
+def test_a_request_waiting_for_blocks_counts_one_prefix_lookup_when_admitted():
+    sched = make_scheduler(num_blocks=4, block_size=4)
+    first, waits = make_request(prompt_len=12, max_tokens=4), make_request(prompt_len=8, max_tokens=2)
+    sched.add(first)
+    sched.add(waits)
+    steps = 0
+    while waits.status == RequestStatus.WAITING:  # 3 of 4 blocks held, then 4: no room for 2 more
+        run_step(sched)
+        steps += 1
+    assert steps > 2
+    while sched.has_work():
+        run_step(sched)
+    assert sched.blocks.prefix_queries == 12 + 8  # each prompt once (the metric vllm:prefix_cache_queries)
