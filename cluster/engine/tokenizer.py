@@ -56,8 +56,10 @@ class Tokenizer:
         reads are passed, never a reserved one."""
         if not self.hf.chat_template:
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
-        reads = self.template_variables - RESERVED_TEMPLATE_VARIABLES
-        extra = {k: v for k, v in (template_kwargs or {}).items() if k in reads}
+        extra = {}
+        if template_kwargs:  # (most requests pass none: the template is not scanned for them)
+            reads = self.template_variables - RESERVED_TEMPLATE_VARIABLES
+            extra = {k: v for k, v in template_kwargs.items() if k in reads}
         return self.hf.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
                                            continue_final_message=continue_final_message,
                                            tokenize=False, tools=list(tools) if tools else None, **extra)

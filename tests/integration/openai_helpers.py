@@ -1,9 +1,10 @@
-"""What the in-process OpenAI tests share: the `stack` fixture's model name, a chat body, and
-an SSE stream read into its JSON chunks."""
+"""What the in-process OpenAI tests share: the servers behind the `stack` fixture
+(`serving_stack`), its model name, a chat body, and an SSE stream read into its JSON chunks."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 MODEL = "tiny"  # the served name of the `stack` fixture (tests/integration/conftest.py)
@@ -24,3 +25,34 @@ async def drain(stream) -> list[dict]:
         payload = line[len("data: "):].strip()
         out.append(payload if payload == "[DONE]" else json.loads(payload))
     return out
+
+
+@contextlib.contextmanager
+def serving_stack(model_path: str, engine: dict, client_for=None):
+    """A prefill and a decode server (disaggregated), a colocated decode server, and an OpenAI
+    server over each pair; `client_for(prefill)`: the decode side's PrefillClient (default:
+    LocalPrefillClient). Engine args apply to all three engines."""
+    from cluster.config import AppConfig
+    from cluster.decode.server import DecodeServer
+    from cluster.engine.tokenizer import Tokenizer
+    from cluster.prefill.server import LocalPrefillClient, PrefillServer
+    from cluster.router.openai_server import OpenAIServer
+
+    args = {"model": model_path, "engine": engine, "kv_transfer": {"connector": "tcp"}}
+    prefill = PrefillServer(AppConfig.from_args(args))
+    decode = DecodeServer(AppConfig.from_args(args))
+    colocated = DecodeServer(AppConfig.from_args({**args, "mode": "colocated"}))
+    tok = Tokenizer(model_path)
+    client = (client_for or LocalPrefillClient)(prefill)
+    policy = engine.get("scheduling_policy", "fcfs")
+
+    def server(dec, pre):
+        return OpenAIServer(MODEL, tok, 1024, lambda rid, ids, p: dec.generate(rid, ids, p, pre),
+                            scheduling_policy=policy)
+
+    try:
+        yield {"disagg": server(decode, client), "colocated": server(colocated, None),
+               "decode": decode, "prefill": prefill, "colocated_server": colocated}
+    finally:
+        for s in (prefill, decode, colocated):
+            s.close()

@@ -10,24 +10,15 @@ import asyncio
 import pytest
 
 from cluster.router.errors import APIError
-from openai_helpers import MODEL, chat, run
+from openai_helpers import chat, run, serving_stack
 
 SHORT = {"temperature": 0, "max_tokens": 2, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
 def pools(tiny_model_paths):
-    from cluster.config import AppConfig
-    from cluster.decode.server import DecodeServer
-    from cluster.engine.tokenizer import Tokenizer
-    from cluster.prefill.server import LocalPrefillClient, PrefillServer
-    from cluster.router.openai_server import OpenAIServer
+    from cluster.prefill.server import LocalPrefillClient
 
-    path = str(tiny_model_paths["llama"])
-    args = {"model": path, "kv_transfer": {"connector": "tcp"},
-            "engine": {"num_blocks": 64, "max_num_seqs": 1, "scheduling_policy": "priority"}}
-    prefill, decode = PrefillServer(AppConfig.from_args(args)), DecodeServer(AppConfig.from_args(args))
-    colocated = DecodeServer(AppConfig.from_args({**args, "mode": "colocated"}))
     prefilled: list[str] = []  # request ids, in the order the prefill replica finished them
 
     class Recording(LocalPrefillClient):
@@ -36,16 +27,9 @@ def pools(tiny_model_paths):
             prefilled.append(request_id)
             return handoff
 
-    tok = Tokenizer(path)
-
-    def server(dec, pre):
-        return OpenAIServer(MODEL, tok, 1024, lambda rid, ids, p: dec.generate(rid, ids, p, pre),
-                            scheduling_policy="priority")
-
-    yield {"colocated": server(colocated, None), "disagg": server(decode, Recording(prefill)),
-           "prefill": prefill, "prefilled": prefilled, "decode": decode, "colocated_server": colocated}
-    for s in (prefill, decode, colocated):
-        s.close()
+    engine = {"num_blocks": 64, "max_num_seqs": 1, "scheduling_policy": "priority"}
+    with serving_stack(str(tiny_model_paths["llama"]), engine, Recording) as s:
+        yield {**s, "prefilled": prefilled}
 
 
 async def first_tokens(server, engine, bodies: list[dict]) -> list[int]:
