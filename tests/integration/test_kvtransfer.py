@@ -21,13 +21,17 @@ def prompts() -> list[list[int]]:
     return [[1, 504, 3156, 314, 2683, 42], list(range(2000, 2037)), list(range(5000, 5100))]
 
 
-def host(ray, connector, model, *, engine_args=SMALL_ENGINE, **kwargs):
+def hosts(ray, connector, model, *each: dict):
+    """One KVHost per dict of its options (engine_args, connector_options, lease_s, policy),
+    started together (each takes seconds to start a process and load its engine); returned
+    once all of them are up."""
     from kv_host import KVHost
 
-    actor = KVHost.remote(connector, str(model) if model else None, engine_args,
-                          {**SHORT, **kwargs.pop("connector_options", {})}, **kwargs)
-    ray.get(actor.pid.remote())
-    return actor
+    actors = [KVHost.remote(connector, str(model) if model else None, options.pop("engine_args", SMALL_ENGINE),
+                            {**SHORT, **options.pop("connector_options", {})}, **options)
+              for options in map(dict, each)]
+    ray.get([a.pid.remote() for a in actors])
+    return actors
 
 
 def blocks_in_use(ray, *actors) -> list[int]:
@@ -39,7 +43,7 @@ def pair(request, ray_local, tiny_model_paths):
     """(connector, prefill host, decode host) on the tiny Llama."""
     ray = ray_local
     model = tiny_model_paths["llama"]
-    p, d = host(ray, request.param, model), host(ray, request.param, model)
+    p, d = hosts(ray, request.param, model, {}, {})
     yield request.param, p, d
     for a in (p, d):
         ray.kill(a)
@@ -69,7 +73,7 @@ def test_round_trip_is_bit_exact(pair, ray_local):
 def test_transferred_kv_decodes_like_colocated_on_the_default_model(connector, ray_local, default_model_path):
     ray = ray_local
     engine_args = {"cpu_kv_cache_bytes": 1 << 26}
-    p, d = host(ray, connector, None, engine_args=engine_args), host(ray, connector, None, engine_args=engine_args)
+    p, d = hosts(ray, connector, None, {"engine_args": engine_args}, {"engine_args": engine_args})
     try:
         for i, prompt in enumerate(prompts()):
             rid = f"gd-{i}"
@@ -117,7 +121,7 @@ def test_bad_payloads_are_refused_counted_and_the_engines_keep_serving(pair, ray
 def test_unacknowledged_kv_is_freed_when_the_lease_expires(connector, ray_local, tiny_model_paths):
     ray = ray_local
     model = tiny_model_paths["llama"]
-    p, d = host(ray, connector, model, lease_s=1.0), host(ray, connector, model)
+    p, d = hosts(ray, connector, model, {"lease_s": 1.0}, {})
     try:
         h = handoff(ray, p, d, "lease", prompts()[2])
         assert blocks_in_use(ray, p)[0] > 0
@@ -137,8 +141,7 @@ def test_unacknowledged_kv_is_freed_when_the_lease_expires(connector, ray_local,
 def test_layout_mismatch_is_refused_at_handshake_naming_both_sides(connector, ray_local, tiny_model_paths):
     ray = ray_local
     model = tiny_model_paths["llama"]
-    p = host(ray, connector, model)
-    d = host(ray, connector, model, engine_args={**SMALL_ENGINE, "block_size": 8})
+    p, d = hosts(ray, connector, model, {}, {"engine_args": {**SMALL_ENGINE, "block_size": 8}})
     try:
         prompt = prompts()[1]
         receiver = ray.get(d.reserve.remote("mm", prompt, GREEDY))
@@ -157,7 +160,7 @@ def test_peer_gone_before_and_after_send(connector, ray_local, tiny_model_paths)
     ray = ray_local
     model = tiny_model_paths["llama"]
     prompt = prompts()[1]
-    p, d = host(ray, connector, model, lease_s=1.0), host(ray, connector, model)
+    p, d, d2 = hosts(ray, connector, model, {"lease_s": 1.0}, {}, {})
     try:
         # before: the decode actor dies after reserving, before the prefill sends
         receiver = ray.get(d.reserve.remote("gone1", prompt, GREEDY))
@@ -174,14 +177,13 @@ def test_peer_gone_before_and_after_send(connector, ray_local, tiny_model_paths)
         assert blocks_in_use(ray, p) == [0]
 
         # after: the prefill actor dies once the KV is sent; decode still finishes the request
-        d = host(ray, connector, model)
-        colocated = ray.get(d.generate_local.remote(prompt, GREEDY))
-        h = handoff(ray, p, d, "gone2", prompt)
+        colocated = ray.get(d2.generate_local.remote(prompt, GREEDY))
+        h = handoff(ray, p, d2, "gone2", prompt)
         ray.kill(p)
-        assert ray.get(d.start.remote("gone2", h)) == colocated  # landed, or recomputed
-        assert blocks_in_use(ray, d) == [0]
+        assert ray.get(d2.start.remote("gone2", h)) == colocated  # landed, or recomputed
+        assert blocks_in_use(ray, d2) == [0]
     finally:
-        for a in (p, d):
+        for a in (p, d, d2):
             ray.kill(a)
 
 
@@ -191,7 +193,7 @@ def test_failure_policy_fail_ends_the_request_with_the_typed_error(connector, ra
 
     ray = ray_local
     model = tiny_model_paths["llama"]
-    p, d = host(ray, connector, model), host(ray, connector, model, policy="fail")
+    p, d = hosts(ray, connector, model, {}, {"policy": "fail"})
     try:
         prompt = prompts()[1]
         receiver = ray.get(d.reserve.remote("f", prompt, GREEDY))
