@@ -213,6 +213,8 @@ class AppConfig:
     Serve's health check (and is replaced): a wedged step loop or a prefill that never ends.
     max_migrations: how many times one stream may move to another decode replica when its
     replica dies (0: never; the client then gets an error chunk).
+    prefix_aware_routing: send a prompt where its prefix is cached unless the queue there costs
+    more (router/prefix_affinity.py); false: by load alone, and replicas report no cache contents.
     """
 
     mode: str = "disaggregated"
@@ -225,6 +227,7 @@ class AppConfig:
     max_concurrent_requests: int | None = 512
     stall_timeout_s: float = 60.0
     max_migrations: int = 2
+    prefix_aware_routing: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -233,6 +236,8 @@ class AppConfig:
             raise ValueError("max_request_bytes must be >= 1024")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:
             raise ValueError("request_timeout_s must be positive (or null for no deadline)")
+        if not isinstance(self.prefix_aware_routing, bool):
+            raise ValueError(f"prefix_aware_routing must be true or false, got {self.prefix_aware_routing!r}")
         if self.max_migrations < 0:
             raise ValueError("max_migrations must be >= 0")
         if not self.stall_timeout_s > 0:
@@ -242,12 +247,10 @@ class AppConfig:
 
     @classmethod
     def from_args(cls, args: dict[str, Any] | None) -> AppConfig:
-        """`{mode, model, engine: {flat engine args}, kv_transfer: {...}, served_model_name,
-        api_key, max_request_bytes, request_timeout_s, max_concurrent_requests, stall_timeout_s,
-        max_migrations}`; an unknown key anywhere is an error naming it."""
+        """`{mode, model, engine: {flat engine args}, kv_transfer: {...}, and the fields above}`;
+        an unknown key anywhere is an error naming it."""
         args = dict(args or {})
-        known = {"mode", "model", "engine", "kv_transfer", "served_model_name", "api_key", "max_request_bytes",
-                 "request_timeout_s", "max_concurrent_requests", "stall_timeout_s", "max_migrations"}
+        known = {f.name for f in fields(cls)} | {"model"}
         unknown = sorted(set(args) - known)
         if unknown:
             raise ValueError(f"unknown app arg(s) {unknown}; known: {sorted(known)}")

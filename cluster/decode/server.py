@@ -33,6 +33,7 @@ from cluster.kvtransfer.errors import KVTransferError
 from cluster.metrics import ITL_BUCKETS, Histogram
 from cluster.outputs import TokenDelta
 from cluster.prefill.worker import PrefillHandoff
+from cluster.router.prefix_affinity import cache_report
 from cluster.sampling_params import SamplingParams
 
 
@@ -171,9 +172,12 @@ class DecodeServer:
             self.counters["ack_failed"] += 1  # the prefill side's lease frees the blocks
 
     def routing_stats(self) -> dict[str, Any]:
+        """What the decode pool's router ranks by (router/request_routers.py); colocated, prompts
+        are computed here, so what the prefix cache holds too."""
         e = self.engine.engine
+        cache = cache_report(e.blocks) if self.worker is None and self.config.prefix_aware_routing else {}
         return {"free_blocks": e.blocks.num_free_blocks, "num_running": len(e.scheduler.running),
-                "num_waiting": len(e.scheduler.waiting) + len(e.scheduler.remote)}
+                "num_waiting": len(e.scheduler.waiting) + len(e.scheduler.remote), **cache}
 
     async def stats(self) -> dict[str, Any]:
         if self.worker is not None:

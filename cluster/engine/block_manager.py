@@ -36,6 +36,16 @@ def hash_salt(salt: str) -> bytes:
     return hashlib.blake2b(_ROOT + b"/salt/" + salt.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
+def extend_chain(hashes: list[bytes], token_ids: list[int], block_size: int, salt: str | None,
+                 num_blocks: int) -> list[bytes]:
+    """Extend `hashes` (a prefix of this chain, often empty) to the first `num_blocks` full blocks
+    of `token_ids`. A salted chain starts from the salt's own root: no hash in common."""
+    for i in range(len(hashes), num_blocks):
+        parent = hashes[i - 1] if i else _ROOT if salt is None else hash_salt(salt)
+        hashes.append(hash_block(parent, token_ids[i * block_size:(i + 1) * block_size]))
+    return hashes
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1:
@@ -129,18 +139,29 @@ class BlockManager:
                 self.cached[h] = block
                 self.block_hash[block] = h
 
+    def cached_hashes(self, limit: int) -> list[bytes]:
+        """Up to `limit` hashes of cached blocks: those in use first, then free ones, the most
+        recently freed (last to be evicted) first. Safe to call from another thread than the
+        one allocating (a snapshot; the copies below do not yield the GIL)."""
+        owners, free, refs = list(self.block_hash.items()), list(self.free_queue), self.ref_counts
+        hashes = [h for b, h in owners if refs[b] > 0][:limit]
+        named = dict(owners)
+        for block in reversed(free):
+            if len(hashes) >= limit:
+                break
+            h = named.get(block)
+            if h is not None:
+                hashes.append(h)
+        return hashes
+
     def reset_prefix_cache(self) -> None:
         for block in list(self.block_hash):
             if self.ref_counts[block] == 0:
                 self._forget(block)
 
     def _extend_hashes(self, req: Request, num_tokens: int) -> None:
-        bs = self.block_size
-        hashes = req.block_hashes
-        salt = req.params.cache_salt  # a salted chain starts from its own root: no hash in common
-        for i in range(len(hashes), num_tokens // bs):
-            parent = hashes[i - 1] if i else _ROOT if salt is None else hash_salt(salt)
-            hashes.append(hash_block(parent, req.token_ids[i * bs:(i + 1) * bs]))
+        extend_chain(req.block_hashes, req.token_ids, self.block_size, req.params.cache_salt,
+                     num_tokens // self.block_size)
 
     def _pop_free(self) -> int:
         block, _ = self.free_queue.popitem(last=False)

@@ -20,6 +20,7 @@ from cluster.engine.engine import LLMEngine
 from cluster.kvtransfer.base import create_connector
 from cluster.prefill.turns import Turns
 from cluster.prefill.worker import PrefillHandoff, PrefillWorker
+from cluster.router.prefix_affinity import cache_report
 from cluster.sampling_params import SamplingParams
 
 
@@ -33,8 +34,7 @@ class PrefillServer:
         self.worker = PrefillWorker(self.engine, self.connector, lease_s=kv.lease_s)
         # The engine is single-threaded: every call that touches it runs on this one thread.
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tandem-prefill")
-        self.queued_prompt_tokens = 0
-        self.queued_requests = 0
+        self.queued: dict[str, int] = {}  # request id → prompt tokens, from arrival to hand-off
         self._reaper: asyncio.Task | None = None
         self.last_abort_at = 0.0  # wall time a cancelled request's blocks were last released
         self._job_started_at: float | None = None
@@ -43,9 +43,7 @@ class PrefillServer:
     async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                       receiver: dict[str, Any]) -> PrefillHandoff:
         self._ensure_reaper()
-        n = len(prompt_token_ids)
-        self.queued_prompt_tokens += n
-        self.queued_requests += 1
+        self.queued[request_id] = len(prompt_token_ids)
         arrived = time.monotonic()
         try:
             async with self.turns.turn(params.priority) if self.turns else contextlib.nullcontext():
@@ -61,8 +59,7 @@ class PrefillServer:
                 self._executor.submit(self._dropped, request_id)
             raise
         finally:
-            self.queued_prompt_tokens -= n
-            self.queued_requests -= 1
+            self.queued.pop(request_id, None)
 
     def _dropped(self, request_id: str) -> None:
         self.worker.drop(request_id)
@@ -74,11 +71,14 @@ class PrefillServer:
     async def stats(self) -> dict[str, Any]:
         # Read here, not on the engine thread: a long prefill would hold the snapshot back for
         # its whole duration. Plain counters; a snapshot taken mid-step is still consistent enough.
-        return {**self.worker.stats(), "queued_prompt_tokens": self.queued_prompt_tokens,
+        return {**self.worker.stats(), "queued_prompt_tokens": sum(self.queued.values()),
                 "last_abort_at": self.last_abort_at, "histograms": self.connector.histograms()}
 
     def routing_stats(self) -> dict[str, Any]:
-        return {"queued_prompt_tokens": self.queued_prompt_tokens, "queued_requests": self.queued_requests}
+        """What the prefill pool's router ranks by (router/request_routers.py): the prompts queued
+        here ([request id, prompt tokens]) and what the prefix cache holds."""
+        cache = cache_report(self.engine.blocks) if self.config.prefix_aware_routing else {}
+        return {"queued": [[rid, n] for rid, n in list(self.queued.items())], **cache}
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._timed, fn, *args)

@@ -325,7 +325,8 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     """Serve's app builder: validates `args` (unknown keys are errors) and wires the pools."""
     config = AppConfig.from_args(args)
     raw = dict(args or {})
-    stats_period = {"request_routing_stats_period_s": ROUTING_STATS_PERIOD_S}
+    stats_period = {"request_routing_stats_period_s": ROUTING_STATS_PERIOD_S,
+                    "request_router_kwargs": {"prefix_aware": config.prefix_aware_routing}}
     decode_router = RequestRouterConfig(request_router_class="cluster.router.request_routers:DecodeRouter",
                                         **stats_period)
     if config.mode == "colocated":

@@ -65,6 +65,10 @@ def test_bad_values_are_refused():
     store["applications"][0]["args"]["kv_transfer"]["prefault_object_store"] = "yes"
     with pytest.raises(ConfigError, match="prefault_object_store must be true or false"):
         validate_serve_config(store)
+    store["applications"][0]["args"]["kv_transfer"]["prefault_object_store"] = False
+    store["applications"][0]["args"]["prefix_aware_routing"] = "no"
+    with pytest.raises(ConfigError, match="prefix_aware_routing must be true or false"):
+        validate_serve_config(store)
     colocated = load("colocated.yaml")
     colocated["applications"][0]["deployments"].append({"name": "PrefillPool", "num_replicas": 1})
     with pytest.raises(ConfigError, match="PrefillPool"):
