@@ -69,8 +69,10 @@ def local_ray(cpus: int) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def deployed(config_path: str, overrides: dict[str, Any] | None = None) -> Iterator[dict[str, Any]]:
-    """Deploy one configs/ file (its app's `args` updated by `overrides`); yields its app entry."""
+def deployed(config_path: str, overrides: dict[str, Any] | None = None,
+             pools: dict[str, dict[str, Any]] | None = None) -> Iterator[dict[str, Any]]:
+    """Deploy one configs/ file (its app's `args` updated by `overrides`, each deployment named
+    in `pools` by its entry there); yields its app entry."""
     from ray import serve
 
     from cluster.serve_config import apply_serve_config, load_yaml
@@ -78,6 +80,8 @@ def deployed(config_path: str, overrides: dict[str, Any] | None = None) -> Itera
     config = load_yaml(ROOT / config_path)
     app = config["applications"][0]
     app["args"] = {**app["args"], **(overrides or {})}
+    for d in app["deployments"]:
+        d.update((pools or {}).get(d["name"], {}))
     apply_serve_config(config)
     wait_running(app["name"], 600)
     try:

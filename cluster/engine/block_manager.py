@@ -93,6 +93,19 @@ class BlockManager:
             hits.append(block)
         return hits
 
+    def cached_prefix_len(self, token_ids: list[int], salt: str | None) -> int:
+        """How many tokens of this prompt `find_cached_prefix` would serve now, without a
+        request (read-only, so safe from another thread than the engine's: a replica's estimate
+        of the work a queued prompt adds)."""
+        if not self.enable_prefix_caching:
+            return 0
+        hashes: list[bytes] = []
+        for i in range((len(token_ids) - 1) // self.block_size):
+            extend_chain(hashes, token_ids, self.block_size, salt, i + 1)
+            if hashes[i] not in self.cached:
+                return i * self.block_size
+        return len(hashes) * self.block_size
+
     def allocate(self, req: Request, num_new_tokens: int, cached: list[int] | None = None) -> bool:
         """Make `req.block_ids` cover num_computed_tokens (+ cached) + num_new_tokens.
 

@@ -34,7 +34,8 @@ class PrefillServer:
         self.worker = PrefillWorker(self.engine, self.connector, lease_s=kv.lease_s)
         # The engine is single-threaded: every call that touches it runs on this one thread.
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tandem-prefill")
-        self.queued: dict[str, int] = {}  # request id → prompt tokens, from arrival to hand-off
+        # request id → (prompt tokens, of which not cached on arrival): from arrival to hand-off
+        self.queued: dict[str, tuple[int, int]] = {}
         self._reaper: asyncio.Task | None = None
         self.last_abort_at = 0.0  # wall time a cancelled request's blocks were last released
         self._job_started_at: float | None = None
@@ -43,11 +44,13 @@ class PrefillServer:
     async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                       receiver: dict[str, Any]) -> PrefillHandoff:
         self._ensure_reaper()
-        self.queued[request_id] = len(prompt_token_ids)
+        prompt = list(prompt_token_ids)
+        cached = self.engine.blocks.cached_prefix_len(prompt, params.cache_salt) if self.config.prefix_aware_routing else 0
+        self.queued[request_id] = (len(prompt), len(prompt) - cached)
         arrived = time.monotonic()
         try:
             async with self.turns.turn(params.priority) if self.turns else contextlib.nullcontext():
-                handoff = await self._run(self.worker.prefill, request_id, list(prompt_token_ids), params, receiver)
+                handoff = await self._run(self.worker.prefill, request_id, prompt, params, receiver)
             handoff.prefill_s = time.monotonic() - arrived
             return handoff
         except asyncio.CancelledError:
@@ -71,14 +74,14 @@ class PrefillServer:
     async def stats(self) -> dict[str, Any]:
         # Read here, not on the engine thread: a long prefill would hold the snapshot back for
         # its whole duration. Plain counters; a snapshot taken mid-step is still consistent enough.
-        return {**self.worker.stats(), "queued_prompt_tokens": sum(self.queued.values()),
+        return {**self.worker.stats(), "queued_prompt_tokens": sum(n for n, _ in self.queued.values()),
                 "last_abort_at": self.last_abort_at, "histograms": self.connector.histograms()}
 
     def routing_stats(self) -> dict[str, Any]:
         """What the prefill pool's router ranks by (router/request_routers.py): the prompts queued
-        here ([request id, prompt tokens]) and what the prefix cache holds."""
+        here ([request id, its tokens to compute]) and what the prefix cache holds."""
         cache = cache_report(self.engine.blocks) if self.config.prefix_aware_routing else {}
-        return {"queued": [[rid, n] for rid, n in list(self.queued.items())], **cache}
+        return {"queued": [[rid, work] for rid, (_, work) in list(self.queued.items())], **cache}
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._timed, fn, *args)

@@ -8,7 +8,8 @@ last to be evicted), and its block size. The router hashes the prompt the same w
 the chain makes block i's hash stand for the whole prefix before it, and the engine's own
 lookup stops at the first miss too.
 
-    cost(replica) = prompt tokens queued there            (`QueueView`)
+    cost(replica) = tokens queued there to compute        (`QueueView`: each queued prompt's
+                                                           tokens not cached on its arrival)
                   + the prompt's tokens not cached there
 
 The lowest cost is the replica expected to finish this prompt first. A replica's report lists
@@ -80,8 +81,8 @@ class CacheViews:
 
 
 class QueueView:
-    """The prompt tokens queued at each replica: its last report, corrected by what this router
-    has seen since (reports lag by up to a period, and are sent only when they change)."""
+    """The tokens queued at each replica to compute: its last report, corrected by what this
+    router has seen since (reports lag by up to a period, and are sent only when they change)."""
 
     def __init__(self, clock=time.monotonic) -> None:
         self._clock = clock

@@ -3,8 +3,8 @@
 Replicas report `record_routing_stats()` every `ROUTING_STATS_PERIOD_S`; between reports the
 router's own queue-length cache (requests it sent and that have not finished) breaks ties.
 
-  PrefillRouter  least expected work before this prompt's first token: prompt tokens queued
-                 there, plus this prompt's tokens its prefix cache does not hold
+  PrefillRouter  least expected work before this prompt's first token: uncached prompt
+                 tokens queued there, plus this prompt's tokens its prefix cache does not hold
                  (router/prefix_affinity.py)
   DecodeRouter   most free KV blocks, then fewest running + waiting requests, then (colocated,
                  where decode replicas compute prompts) the most of the prompt cached

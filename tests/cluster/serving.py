@@ -202,7 +202,10 @@ class SteadyStream:
     def _loop(self, worker: int) -> None:
         i = worker
         while not self._stop.is_set():
-            prompt = STEADY_PROMPTS[i % len(STEADY_PROMPTS)]
+            # Each prompt new to every prefix cache past the system prompt (~60 tokens of tags):
+            # where it goes is decided by load, not by which replica has computed it before.
+            tags = " ".join(str(i * 7919 + j) for j in range(12))
+            prompt = f"Request {i}, tags {tags}. {STEADY_PROMPTS[i % len(STEADY_PROMPTS)]}"
             i += len(self._threads)
             try:
                 parts, finish = [], None

@@ -48,7 +48,7 @@ def test_redeploying_pool_sizes_under_load_fails_no_request(serve_url):
         t_2p1d = time.monotonic()
         apply_config(sized(2, 1))
         wait_for(pools_are(2, 1), 240, "2 prefill replicas")
-        # the new prefill replica takes its share (routing by fewest queued prompt tokens)
+        # the new prefill replica takes its share (the prompts are new to both: routed by the work queued)
         wait_for(lambda: len([n for n in per_replica(serve_url, "prefill", "kv_sent").values() if n > 0]) == 2,
                  120, "both prefill replicas to push KV")
         prefill_replicas = set(per_replica(serve_url, "prefill", "kv_sent"))

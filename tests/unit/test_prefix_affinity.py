@@ -35,7 +35,7 @@ def held(stats: dict, prompt: list[int], salt: str | None = None) -> int:
     return CacheViews().cached_tokens("r", stats, prompt, salt, {})
 
 
-def test_the_router_counts_the_tokens_the_engine_would_serve_from_cache():
+def test_the_router_and_the_replica_count_the_tokens_the_engine_would_serve_from_cache():
     bm = BlockManager(num_blocks=32, block_size=BS)
     cached_request(bm, list(range(1, 14)))  # 3 full blocks cached
     cached_request(bm, list(range(1, 14)), salt="tenant-a")
@@ -45,6 +45,7 @@ def test_the_router_counts_the_tokens_the_engine_would_serve_from_cache():
                          (list(range(1, 30)), "tenant-a"), (list(range(1, 30)), "tenant-b")]:
         engine_hits = bm.find_cached_prefix(make_request(prompt=prompt, cache_salt=salt))
         assert held(report, prompt, salt) == BS * len(engine_hits), (prompt, salt)
+        assert bm.cached_prefix_len(prompt, salt) == BS * len(engine_hits), (prompt, salt)  # a replica's own estimate
     assert held(report, list(range(1, 30))) == 12 and held(report, list(range(1, 30)), "tenant-b") == 0
 
 
