@@ -2,15 +2,20 @@
 with 1P1D → 2P1D → 1P2D changes the pools (Serve's replica counts, and every new replica serves)
 and no request fails; then back to 1P1D, the leaving decode replica draining its streams
 (reliability fault 11: scale-down under load). Deployed the way `serve deploy configs/serve.yaml` deploys: the whole
-config, pool sizes and actor options from YAML, handed to the Serve controller."""
+config, pool sizes and actor options from YAML, handed to the Serve controller. And with two
+prefill replicas, a conversation's next turn goes where its history is cached.
+"""
 
 from __future__ import annotations
 
+import concurrent.futures
+import json
 import time
 
 import pytest
 
-from serving import APP, SteadyStream, apply_config, client, load_config, replica_stats, running_replicas, wait_for
+from serving import (APP, SteadyStream, apply_config, client, http_request, load_config, replica_stats,
+                     running_replicas, wait_for)
 
 pytestmark = pytest.mark.slow
 
@@ -74,3 +79,39 @@ def test_redeploying_pool_sizes_under_load_fails_no_request(serve_url):
     for s in stats:
         assert s["blocks_in_use"] == 0 and s["num_running"] == 0 and s["num_waiting"] == 0, s
     serve.delete(APP)
+
+
+def test_a_conversations_next_turn_is_prefilled_where_its_history_is_cached(serve_url):
+    """Two prefill replicas. Four conversations' first turns, sent at once, spread over both;
+    each one's second turn, sent alone to an idle pool, goes back to the replica that holds
+    its history, which serves all of that from its prefix cache (a prefix cache is per replica:
+    elsewhere it would be computed again)."""
+
+    config = load_config("serve.yaml")
+    for d in config["applications"][0]["deployments"]:  # two prefill replicas on the test's 2 CPUs
+        d.update({"PrefillPool": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.5}},
+                  "DecodePool": {"ray_actor_options": {"num_cpus": 0.5}}}.get(d["name"], {}))
+    apply_config(config)
+    wait_for(lambda: running_replicas().get("PrefillPool") == 2, 120, "a second prefill replica")
+    c = client(serve_url)
+
+    def turn(conversation: int, messages: list[dict]) -> tuple[object, str]:
+        rid = f"conversation-{conversation}-turn-{len(messages) // 2 + 1}"
+        r = c.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=4,
+                                      temperature=0, extra_headers={"X-Request-Id": rid})
+        (trace,) = json.loads(http_request(serve_url, "GET", f"/debug/requests/{rid}")[2])["traces"]
+        return r, trace["prefill_replica"]
+
+    histories = [[{"role": "user", "content": f"Ledger {k}: " + " ".join(
+        f"crate{j} of batch {k} went to dock {(j * (k + 3)) % 13}" for j in range(14))}] for k in range(4)]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        firsts = list(pool.map(turn, range(4), histories))
+    assert len({replica for _, replica in firsts}) == 2  # the burst spread over both replicas
+    time.sleep(2.0)  # their caches' contents reach the decode replica's router (0.5 s reports)
+    for k, (first, replica) in enumerate(firsts):
+        messages = histories[k] + [{"role": "assistant", "content": first.choices[0].message.content},
+                                   {"role": "user", "content": "Which dock got crate3?"}]
+        second, where = turn(k, messages)
+        history_blocks = first.usage.prompt_tokens // 16
+        assert where == replica, k
+        assert second.usage.prompt_tokens_details.cached_tokens >= 16 * history_blocks, k

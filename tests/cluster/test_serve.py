@@ -287,45 +287,6 @@ def test_each_request_is_traced_under_its_id(serve_url):
     assert len(served_by) == 2  # both routers served some (so lookups also met the other one)
 
 
-def test_a_conversations_next_turn_is_prefilled_where_its_history_is_cached(serve_url):
-    """Two prefill replicas. Four conversations' first turns, sent at once, spread over both;
-    each one's second turn, sent alone to an idle pool, goes back to the replica that holds
-    its history, which serves all of that from its prefix cache (a prefix cache is per replica:
-    elsewhere it would be computed again)."""
-    import time
-
-    from serving import http_request
-
-    config = load_config("serve.yaml")
-    for d in config["applications"][0]["deployments"]:  # two prefill replicas on the test's 2 CPUs
-        d.update({"PrefillPool": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.5}},
-                  "DecodePool": {"ray_actor_options": {"num_cpus": 0.5}}}.get(d["name"], {}))
-    apply_config(config)
-    wait_for(lambda: running_replicas().get("PrefillPool") == 2, 120, "a second prefill replica")
-    c = client(serve_url)
-
-    def turn(conversation: int, messages: list[dict]) -> tuple[object, str]:
-        rid = f"conversation-{conversation}-turn-{len(messages) // 2 + 1}"
-        r = c.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=4,
-                                      temperature=0, extra_headers={"X-Request-Id": rid})
-        (trace,) = json.loads(http_request(serve_url, "GET", f"/debug/requests/{rid}")[2])["traces"]
-        return r, trace["prefill_replica"]
-
-    histories = [[{"role": "user", "content": f"Ledger {k}: " + " ".join(
-        f"crate{j} of batch {k} went to dock {(j * (k + 3)) % 13}" for j in range(14))}] for k in range(4)]
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        firsts = list(pool.map(turn, range(4), histories))
-    assert len({replica for _, replica in firsts}) == 2  # the burst spread over both replicas
-    time.sleep(2.0)  # their caches' contents reach the decode replica's router (0.5 s reports)
-    for k, (first, replica) in enumerate(firsts):
-        messages = histories[k] + [{"role": "assistant", "content": first.choices[0].message.content},
-                                   {"role": "user", "content": "Which dock got crate3?"}]
-        second, where = turn(k, messages)
-        history_blocks = first.usage.prompt_tokens // 16
-        assert where == replica, k
-        assert second.usage.prompt_tokens_details.cached_tokens >= 16 * history_blocks, k
-
-
 def test_greedy_identical_colocated_and_every_connector(serve_url):
     outputs = {}
     landed = {}
