@@ -93,3 +93,12 @@ def deployed(config_path: str, overrides: dict[str, Any] | None = None,
 def replica_stats(url: str) -> list[dict[str, Any]]:
     with urllib.request.urlopen(f"{url}/debug/stats", timeout=10) as r:
         return json.load(r)["replicas"]
+
+
+def emit(result: dict[str, Any], out: str | None) -> dict[str, Any]:
+    """A bench's result: JSON on stdout, and in `out` too when given."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    if out:
+        Path(out).write_text(text + "\n")
+    return result

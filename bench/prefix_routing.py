@@ -29,8 +29,8 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cluster.loadgen import percentile  # noqa: E402
-from local_cluster import deployed, local_ray, stdout_for_json_only  # noqa: E402
+from cluster.loadgen import percentile, sse_chunks  # noqa: E402
+from local_cluster import deployed, emit, local_ray, stdout_for_json_only  # noqa: E402
 from serve import MODEL_NAME, log, machine, wait_http  # noqa: E402
 
 WORDS = ("crate dock ledger barrel harbor invoice pallet crane signal copper ferry anchor freight "
@@ -46,17 +46,13 @@ async def turn(session: aiohttp.ClientSession, url: str, messages: list[dict], m
     async with session.post(f"{url}/v1/chat/completions", json=body) as r:
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {(await r.read())[:200]!r}")
-        async for raw in r.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        async for now, chunk in sse_chunks(r):
             if "error" in chunk:
                 raise RuntimeError(f"error chunk: {chunk['error']}")
             for choice in chunk.get("choices") or []:
                 piece = (choice.get("delta") or {}).get("content")
                 if piece:
-                    first = first or time.perf_counter()
+                    first = first or now
                     text.append(piece)
             usage = chunk.get("usage") or usage
     return {"ttft_s": (first or time.perf_counter()) - sent, "reply": "".join(text),
@@ -113,11 +109,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "conversations": args.conversations, "turns": args.turns, "systems": systems,
               "ttft_p50_aware_vs_load_only": round(a["ttft_ms"]["p50"] / b["ttft_ms"]["p50"], 3),
               "ttft_p90_aware_vs_load_only": round(a["ttft_ms"]["p90"] / b["ttft_ms"]["p90"], 3)}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    return result
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":

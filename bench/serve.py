@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cluster.loadgen import WORKLOADS, Workload, run_workload  # noqa: E402
-from local_cluster import deployed, free_port, local_ray, replica_stats, stdout_for_json_only  # noqa: E402
+from local_cluster import deployed, emit, free_port, local_ray, replica_stats, stdout_for_json_only  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -198,11 +198,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {"bench": "serve", "machine": machine(), "model": MODEL_NAME, "model_path": model_path,
               "command": " ".join([Path(sys.executable).name, *sys.argv]), "systems": systems,
               "comparisons": comparisons(systems)}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    return result
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import aiohttp  # noqa: E402
 
-from cluster.loadgen import WORKLOADS, prompt_for  # noqa: E402
+from cluster.loadgen import WORKLOADS, prompt_for, sse_chunks  # noqa: E402
 from local_cluster import deployed, local_ray, replica_stats, stdout_for_json_only  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -55,11 +55,7 @@ async def one(session: aiohttp.ClientSession, url: str, rng: random.Random, i: i
             if r.status != 200:
                 tally[f"http_{r.status}"] += 1
                 return
-            async for raw in r.content:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
+            async for _, chunk in sse_chunks(r):
                 if "error" in chunk:
                     tally[f"error_chunk_{chunk['error'].get('code')}"] += 1
                     return

@@ -19,7 +19,7 @@ import json
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 import aiohttp
 
@@ -80,6 +80,14 @@ class Sample:
         return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
 
 
+async def sse_chunks(response: aiohttp.ClientResponse) -> AsyncIterator[tuple[float, dict[str, Any]]]:
+    """The JSON chunks of an OpenAI SSE stream, each with the time its line arrived."""
+    async for raw in response.content:
+        line = raw.decode().strip()
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield time.perf_counter(), json.loads(line[6:])
+
+
 async def stream_one(session: aiohttp.ClientSession, url: str, model: str, prompt: str, max_tokens: int,
                      headers: dict[str, str]) -> Sample:
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
@@ -90,11 +98,7 @@ async def stream_one(session: aiohttp.ClientSession, url: str, model: str, promp
             if r.status != 200:
                 s.error = f"HTTP {r.status}: {(await r.read())[:200].decode(errors='replace')}"
                 return s
-            async for raw in r.content:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                now, chunk = time.perf_counter(), json.loads(line[6:])
+            async for now, chunk in sse_chunks(r):
                 if "error" in chunk:
                     s.error = f"error chunk: {chunk['error'].get('message', '')[:200]}"
                     return s
