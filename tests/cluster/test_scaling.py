@@ -86,13 +86,8 @@ def test_a_conversations_next_turn_is_prefilled_where_its_history_is_cached(serv
     each one's second turn, sent alone to an idle pool, goes back to the replica that holds
     its history, which serves all of that from its prefix cache (a prefix cache is per replica:
     elsewhere it would be computed again)."""
-
-    config = load_config("serve.yaml")
-    for d in config["applications"][0]["deployments"]:  # two prefill replicas on the test's 2 CPUs
-        d.update({"PrefillPool": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.5}},
-                  "DecodePool": {"ray_actor_options": {"num_cpus": 0.5}}}.get(d["name"], {}))
-    apply_config(config)
-    wait_for(lambda: running_replicas().get("PrefillPool") == 2, 120, "a second prefill replica")
+    apply_config(sized(2, 1))
+    wait_for(pools_are(2, 1), 240, "2 prefill replicas + 1 decode replica")
     c = client(serve_url)
 
     def turn(conversation: int, messages: list[dict]) -> tuple[object, str]:
