@@ -8,7 +8,9 @@ on a 2-core machine's Ray), deployed once with `prefix_aware_routing: true` and 
 `false`. Each conversation runs its turns one after another (the reply goes into the history,
 and the next user message, ~120 words of notes, is new), the conversations at once. Per turn
 from the second on, from the client: TTFT (send → first chunk with text) and the usage's
-`prompt_tokens_details.cached_tokens`: how much of the history a prefix cache served. Every
+`prompt_tokens_details.cached_tokens`: how much of the history a prefix cache served; and from
+the request's trace (/debug/requests/ID), the KV bytes the prefill replica sent and the prompt
+tokens whose KV the decode replica already held (decode-side prefix reuse: not sent). Every
 run draws fresh notes, so no earlier run's cache helps.
 """
 
@@ -39,11 +41,12 @@ POOLS = {"PrefillPool": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.
          "DecodePool": {"ray_actor_options": {"num_cpus": 0.5}}}
 
 
-async def turn(session: aiohttp.ClientSession, url: str, messages: list[dict], max_tokens: int) -> dict[str, Any]:
+async def turn(session: aiohttp.ClientSession, url: str, messages: list[dict], max_tokens: int,
+               rid: str) -> dict[str, Any]:
     body = {"model": MODEL_NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     sent, first, text, usage = time.perf_counter(), None, [], {}
-    async with session.post(f"{url}/v1/chat/completions", json=body) as r:
+    async with session.post(f"{url}/v1/chat/completions", json=body, headers={"X-Request-Id": rid}) as r:
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {(await r.read())[:200]!r}")
         async for now, chunk in sse_chunks(r):
@@ -55,19 +58,29 @@ async def turn(session: aiohttp.ClientSession, url: str, messages: list[dict], m
                     first = first or now
                     text.append(piece)
             usage = chunk.get("usage") or usage
+    for _ in range(50):  # the trace is posted by the router as the stream ends
+        async with session.get(f"{url}/debug/requests/{rid}") as r:
+            if r.status == 200:
+                (trace,) = (await r.json())["traces"]
+                break
+        await asyncio.sleep(0.1)
+    else:
+        raise RuntimeError(f"no trace of {rid}")
     return {"ttft_s": (first or time.perf_counter()) - sent, "reply": "".join(text),
-            "prompt_tokens": usage["prompt_tokens"], "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]}
+            "prompt_tokens": usage["prompt_tokens"], "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+            "kv_bytes": trace.get("kv_bytes", 0), "kv_reused_tokens": trace.get("kv_reused_tokens", 0)}
 
 
 async def conversations(url: str, n: int, turns: int, max_tokens: int) -> list[list[dict[str, Any]]]:
-    rng = random.Random(random.SystemRandom().getrandbits(32))
+    seed = random.SystemRandom().getrandbits(32)
+    rng = random.Random(seed)
 
     async def one(k: int, session: aiohttp.ClientSession) -> list[dict[str, Any]]:
         messages, out = [], []
         for t in range(turns):
             notes = " ".join(f"{rng.choice(WORDS)}{rng.randrange(100)}" for _ in range(120))
             messages.append({"role": "user", "content": f"Conversation {k}, part {t + 1} of my notes: {notes}"})
-            result = await turn(session, url, messages, max_tokens)
+            result = await turn(session, url, messages, max_tokens, f"bench-{seed:x}-{k}-{t}")
             messages.append({"role": "assistant", "content": result["reply"]})
             out.append(result)
         return out
@@ -82,7 +95,9 @@ def summarize(runs: list[list[dict[str, Any]]], wall_s: float) -> dict[str, Any]
     prompt, cached = sum(r["prompt_tokens"] for r in later), sum(r["cached_tokens"] for r in later)
     return {"turns_measured": len(later), "wall_s": round(wall_s, 1),
             "ttft_ms": {f"p{q}": round(percentile(ttft, q), 1) for q in (50, 90, 99)},
-            "prompt_tokens": prompt, "cached_tokens": cached, "cached_fraction": round(cached / prompt, 3)}
+            "prompt_tokens": prompt, "cached_tokens": cached, "cached_fraction": round(cached / prompt, 3),
+            "kv_mb_sent": round(sum(r["kv_bytes"] for r in later) / 1e6, 1),
+            "kv_reused_fraction": round(sum(r["kv_reused_tokens"] for r in later) / prompt, 3)}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -5,7 +5,8 @@ KV coming from a prefill replica (disaggregated).
     generate(R, prompt, params, prefill)
       colocated (prefill is None): R joins the engine's queue like any request
       disaggregated:
-        1. reserve R's destination blocks; expect R on the connector  (no room → prefill here)
+        1. reserve R's destination blocks; expect R on the connector  (no room → prefill here);
+           the blocks of R's prefix already cached here are shared, and not sent
         2. await prefill.prefill(R, ..., receiver)  → first token, KV pushed/put by prefill
            (a prefill replica lost before answering: retried on another, PREFILL_RETRIES times)
         3. fetch + verify the KV off the engine thread; import it; R joins the running batch
@@ -118,6 +119,7 @@ class DecodeServer:
             trace["kv"] = "no room: prefilled here"
             await self.engine.call(lambda e: e.add_request(rid, prompt, params))
             return
+        trace["kv_reused_tokens"] = receiver["cached_blocks"] * self.engine.engine.blocks.block_size
         try:
             handoff = await self._prefill_with_retries(rid, prompt, params, receiver, prefill)
         except asyncio.CancelledError:
@@ -172,10 +174,10 @@ class DecodeServer:
             self.counters["ack_failed"] += 1  # the prefill side's lease frees the blocks
 
     def routing_stats(self) -> dict[str, Any]:
-        """What the decode pool's router ranks by (router/request_routers.py); colocated, prompts
-        are computed here, so what the prefix cache holds too."""
+        """What the decode pool's router ranks by (router/request_routers.py), with what the prefix
+        cache holds: colocated, it saves computing a prompt here; disaggregated, receiving its KV."""
         e = self.engine.engine
-        cache = cache_report(e.blocks) if self.worker is None and self.config.prefix_aware_routing else {}
+        cache = cache_report(e.blocks) if self.config.prefix_aware_routing else {}
         return {"free_blocks": e.blocks.num_free_blocks, "num_running": len(e.scheduler.running),
                 "num_waiting": len(e.scheduler.waiting) + len(e.scheduler.remote), **cache}
 

@@ -1,7 +1,9 @@
 """The decode side of a hand-off, as a plain object (the Ray deployment is a thin shell).
 
-    reserve(R, prompt, params)  → engine allocates R's destination blocks, connector expects R
-                                → receiver info for the prefill side (None: no room now)
+    reserve(R, prompt, params)  → engine allocates R's destination blocks (after the prompt's
+                                  prefix its cache already holds), connector expects R
+                                → receiver info for the prefill side, with how many leading
+                                  blocks not to send (None: no room now)
     start(R, handoff)           → receive + verify KV → import → R joins the running batch;
                                   on a transfer error: policy "recompute" (prefill locally,
                                   keep the first token) or "fail" (R ends, the error is raised)
@@ -43,7 +45,11 @@ class DecodeWorker:
         if blocks is None:
             return None
         self.connector.expect(request_id, len(blocks))
-        return self.connector.receiver_info()
+        cached = self.engine.blocks.blocks_needed(len(prompt_token_ids)) - len(blocks)
+        if cached:
+            self.counters["kv_reused_blocks"] += cached
+        # the sender skips the leading blocks this side's prefix cache already holds
+        return {**self.connector.receiver_info(), "cached_blocks": cached}
 
     def fetch(self, request_id: str, handoff: PrefillHandoff) -> torch.Tensor:
         """Wait for R's verified KV (touches no engine state: may run off the engine thread)."""

@@ -2,7 +2,8 @@
 
     (a) prefill side: add_request(..., prefill_only=True); step until it finishes;
         take_prefilled(id) → first token + block ids; export_kv(id); release(id).
-    (b) decode side: admit_remote(...) → block ids to fill; import_kv(id, packed);
+    (b) decode side: admit_remote(...) → block ids to fill (after the blocks of the prompt's prefix
+        this engine's cache already holds); import_kv(id, packed);
         finish_remote(id, ok, first_token) → the request joins the running batch (or recomputes).
 """
 
@@ -144,9 +145,13 @@ class LLMEngine:
         return PrefillResult(request_id, req.prompt_token_ids, req.output_token_ids[0], lps[0],
                              list(req.block_ids), scores, req.num_cached_tokens)
 
-    def export_kv(self, request_id: str) -> torch.Tensor:
+    def export_kv(self, request_id: str, skip_blocks: int = 0) -> torch.Tensor:
+        """The prompt's KV packed, after its first `skip_blocks` blocks (those the receiver holds)."""
         req = self.scheduler.held[request_id]
-        return self.runner.export_kv(req.block_ids[: self.blocks.blocks_needed(req.num_prompt_tokens)])
+        needed = self.blocks.blocks_needed(req.num_prompt_tokens)
+        if not 0 <= skip_blocks < needed:
+            raise ValueError(f"skip_blocks must be in [0, {needed}) for {request_id!r}, got {skip_blocks}")
+        return self.runner.export_kv(req.block_ids[skip_blocks:needed])
 
     def release(self, request_id: str) -> bool:
         return self.scheduler.release(request_id) is not None
@@ -154,7 +159,12 @@ class LLMEngine:
     # -- seam (b): admit a request whose prompt KV comes from elsewhere --------------
     def admit_remote(self, request_id: str, prompt_token_ids: Sequence[int],
                      params: SamplingParams) -> list[int] | None:
-        """Reserve blocks for the prompt's KV before it is sent; None when they don't fit now."""
+        """Reserve blocks for the prompt's KV before it is sent; None when they don't fit now.
+
+        Returns the blocks the sender must fill: the prompt's blocks after those of its prefix
+        that this engine's prefix cache already holds (shared, not sent again; at least the
+        last block is always sent, as `find_cached_prefix` leaves the last token to compute).
+        """
         prompt_ids = list(prompt_token_ids)
         self._validate_prompt(prompt_ids)
         req = self._new_request(request_id, prompt_ids, params, False)
@@ -166,7 +176,7 @@ class LLMEngine:
 
     def import_kv(self, request_id: str, packed: torch.Tensor) -> None:
         req = self.scheduler.remote[request_id]
-        self.runner.import_kv(req.block_ids, packed)
+        self.runner.import_kv(req.block_ids[req.num_computed_tokens // self.blocks.block_size:], packed)
 
     def finish_remote(self, request_id: str, ok: bool, first_token: int | None = None,
                       first_logprobs: TokenLogprobs | None = None,

@@ -75,15 +75,20 @@ class Scheduler:
         self.waiting.append(req)
 
     def add_remote(self, req: Request) -> list[int] | None:
-        """Reserve blocks for a prompt whose KV comes from elsewhere; None if they don't fit now."""
+        """Reserve blocks for a prompt whose KV comes from elsewhere; None if they don't fit now.
+        The leading blocks the prefix cache holds are shared (they count as computed); returns
+        the rest, the blocks the transfer fills."""
         if req.request_id in self.requests or req.request_id in self.held:
             raise ValueError(f"request id {req.request_id!r} is already in use")
-        if not self.blocks.allocate(req, req.num_prompt_tokens):
+        cached = self.blocks.find_cached_prefix(req)[: (req.num_prompt_tokens - 1) // self.blocks.block_size]
+        num_cached = len(cached) * self.blocks.block_size
+        if not self.blocks.allocate(req, req.num_prompt_tokens - num_cached, cached):
             return None
+        req.num_computed_tokens = num_cached
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[req.request_id] = req
         self.remote[req.request_id] = req
-        return list(req.block_ids)
+        return req.block_ids[len(cached):]
 
     def finish_remote(self, request_id: str, ok: bool, recompute: bool = True) -> None:
         """Remote KV landed (ok) → join the running batch; otherwise recompute locally or fail."""

@@ -4,11 +4,12 @@ One request R moves from prefill actor P to decode actor D. Who calls what, in o
 
     decode side D                                       prefill side P
     -------------                                       --------------
-    1. blocks = engine.admit_remote(R)       (D allocates destination blocks first)
+    1. blocks = engine.admit_remote(R)       (D allocates destination blocks first; the
+                                              leading k its prefix cache holds are not sent)
     2. conn.expect(R, num_blocks)            (a payload for R may now arrive)
-       ticket = conn.receiver_info()         → router → P
+       ticket = conn.receiver_info() + k     → router → P
                                                         3. engine prefills R only; P holds R's blocks
-                                                        4. payload = engine.export_kv(R)   (packed)
+                                                        4. payload = engine.export_kv(R, k)  (packed)
                                                         5. receipt = conn.send(header, payload, ticket)
                                                            P starts R's lease
                         ← router ← receipt (connector data, e.g. an object ref) + first token

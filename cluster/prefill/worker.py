@@ -1,7 +1,8 @@
 """The prefill side of a hand-off, as a plain object (the Ray deployment is a thin shell).
 
     prefill(R, prompt, params, receiver)  → engine runs R prefill-only → first token + held blocks
-                                          → export_kv(R) → connector.send → lease(R) starts
+                                          → export_kv(R) but the blocks the receiver holds
+                                          → connector.send → lease(R) starts
     ack(R)                                → release R's blocks (late acks are counted, ignored)
     reap()                                → release every R whose lease expired unacknowledged
     cancel(R) (any thread), then drop(R)  → the caller is gone: R stops at its next engine step,
@@ -81,7 +82,11 @@ class PrefillWorker:
                                   num_prompt_tokens=len(out.prompt_token_ids), num_cached_tokens=out.num_cached_tokens,
                                   prompt_logprobs=None if out.prompt_logprobs is None else out.prompt_logprobs[1:])
         result = engine.take_prefilled(request_id)
-        payload = engine.export_kv(request_id)
+        try:  # the leading blocks the receiver holds already (its prefix cache) are not sent
+            payload = engine.export_kv(request_id, receiver.get("cached_blocks", 0))
+        except BaseException:
+            engine.release(request_id)
+            raise
         sending = time.monotonic()
         try:
             receipt = self.connector.send(request_id, len(result.prompt_token_ids), payload, receiver)

@@ -6,8 +6,8 @@ router's own queue-length cache (requests it sent and that have not finished) br
   PrefillRouter  least expected work before this prompt's first token: uncached prompt
                  tokens queued there, plus this prompt's tokens its prefix cache does not hold
                  (router/prefix_affinity.py)
-  DecodeRouter   most free KV blocks, then fewest running + waiting requests, then (colocated,
-                 where decode replicas compute prompts) the most of the prompt cached
+  DecodeRouter   most free KV blocks, then fewest running + waiting requests, then the most of
+                 the prompt cached (colocated: not computed again; disaggregated: not sent again)
 In both, a call carrying `replica_id=` (acks, KV control calls) goes to that replica, or
 anywhere if it is gone (an ack is then counted as late; a control call is refused as stale).
 """

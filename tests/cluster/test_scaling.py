@@ -85,28 +85,32 @@ def test_a_conversations_next_turn_is_prefilled_where_its_history_is_cached(serv
     """Two prefill replicas. Four conversations' first turns, sent at once, spread over both;
     each one's second turn, sent alone to an idle pool, goes back to the replica that holds
     its history, which serves all of that from its prefix cache (a prefix cache is per replica:
-    elsewhere it would be computed again)."""
+    elsewhere it would be computed again). The decode replica holds the history too: only the
+    new turn's KV blocks are sent to it."""
     apply_config(sized(2, 1))
     wait_for(pools_are(2, 1), 240, "2 prefill replicas + 1 decode replica")
     c = client(serve_url)
 
-    def turn(conversation: int, messages: list[dict]) -> tuple[object, str]:
+    def turn(conversation: int, messages: list[dict]) -> tuple[object, dict]:
         rid = f"conversation-{conversation}-turn-{len(messages) // 2 + 1}"
         r = c.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=4,
                                       temperature=0, extra_headers={"X-Request-Id": rid})
         (trace,) = json.loads(http_request(serve_url, "GET", f"/debug/requests/{rid}")[2])["traces"]
-        return r, trace["prefill_replica"]
+        return r, trace
 
     histories = [[{"role": "user", "content": f"Ledger {k}: " + " ".join(
         f"crate{j} of batch {k} went to dock {(j * (k + 3)) % 13}" for j in range(14))}] for k in range(4)]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         firsts = list(pool.map(turn, range(4), histories))
-    assert len({replica for _, replica in firsts}) == 2  # the burst spread over both replicas
+    assert len({trace["prefill_replica"] for _, trace in firsts}) == 2  # the burst spread over both replicas
     time.sleep(2.0)  # their caches' contents reach the decode replica's router (0.5 s reports)
-    for k, (first, replica) in enumerate(firsts):
+    for k, (first, trace) in enumerate(firsts):
         messages = histories[k] + [{"role": "assistant", "content": first.choices[0].message.content},
                                    {"role": "user", "content": "Which dock got crate3?"}]
-        second, where = turn(k, messages)
+        second, trace2 = turn(k, messages)
         history_blocks = first.usage.prompt_tokens // 16
-        assert where == replica, k
+        assert trace2["prefill_replica"] == trace["prefill_replica"], k
         assert second.usage.prompt_tokens_details.cached_tokens >= 16 * history_blocks, k
+        sent = [-(-r.usage.prompt_tokens // 16) - t["kv_reused_tokens"] // 16 for r, t in ((first, trace), (second, trace2))]
+        assert trace2["kv_reused_tokens"] >= 16 * history_blocks, k
+        assert trace2["kv_bytes"] == trace["kv_bytes"] // sent[0] * sent[1], k  # the new blocks alone

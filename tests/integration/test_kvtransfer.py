@@ -72,7 +72,7 @@ def test_round_trip_is_bit_exact(pair, ray_local):
 @pytest.mark.parametrize("connector", CONNECTORS)
 def test_transferred_kv_decodes_like_colocated_on_the_default_model(connector, ray_local, default_model_path):
     ray = ray_local
-    engine_args = {"cpu_kv_cache_bytes": 1 << 26}
+    engine_args = {"cpu_kv_cache_bytes": 1 << 26, "enable_prefix_caching": False}  # every block crosses
     p, d = hosts(ray, connector, None, {"engine_args": engine_args}, {"engine_args": engine_args})
     try:
         for i, prompt in enumerate(prompts()):
@@ -83,6 +83,31 @@ def test_transferred_kv_decodes_like_colocated_on_the_default_model(connector, r
             assert ray.get(p.ack.remote(rid))
         stats = ray.get(d.stats.remote())
         assert stats["kv_landed"] == 3 and "recomputed" not in stats
+        assert blocks_in_use(ray, p, d) == [0, 0]
+    finally:
+        for a in (p, d):
+            ray.kill(a)
+
+
+@pytest.mark.parametrize("connector", CONNECTORS)
+def test_blocks_the_decode_side_holds_are_not_sent_again(connector, ray_local, tiny_model_paths):
+    """A conversation's next turn on the same decode replica: only its new blocks cross."""
+    ray = ray_local
+    p, d = hosts(ray, connector, tiny_model_paths["llama"], {}, {"engine_args": {"cpu_kv_cache_bytes": 1 << 24}})
+    try:
+        first = prompts()[2]  # 100 tokens: 7 blocks of 16
+        h = handoff(ray, p, d, "turn1", first)
+        ray.get(d.start.remote("turn1", h))
+        ray.get(p.ack.remote("turn1"))
+        block_bytes = h.kv_bytes // 7
+        following = first[:90] + [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]  # 105: 7 blocks
+        colocated = ray.get(p.generate_local.remote(following, GREEDY))  # p caches nothing
+        h2 = handoff(ray, p, d, "turn2", following)
+        assert h2.kv_bytes == 2 * block_bytes  # blocks 0-4 (tokens 0-79) are already on d
+        assert ray.get(d.start.remote("turn2", h2)) == colocated
+        ray.get(p.ack.remote("turn2"))
+        stats = ray.get(d.stats.remote())
+        assert stats["kv_reused_blocks"] == 5 and stats["kv_landed"] == 2 and "recomputed" not in stats
         assert blocks_in_use(ray, p, d) == [0, 0]
     finally:
         for a in (p, d):

@@ -111,6 +111,21 @@ def test_remote_admission_then_decode_or_recompute():
     assert [(c.request, c.start, c.num_tokens) for c in plan.chunks] == [(ok, 9, 1), (bad, 8, 2)]
 
 
+def test_remote_admission_shares_the_cached_prefix_and_returns_only_the_blocks_to_fill():
+    sched = make_scheduler(num_blocks=8)
+    first = make_request(prompt=list(range(1, 10)))
+    sched.add_remote(first)
+    sched.finish_remote(first.request_id, ok=True)  # its full blocks [1-4], [5-8] are cached now
+    following = make_request(prompt=list(range(1, 9)) + [42, 43, 44])  # shares 2 blocks, 11 tokens
+    fill = sched.add_remote(following)
+    assert following.block_ids[:2] == first.block_ids[:2] and fill == following.block_ids[2:]
+    assert following.num_computed_tokens == 8 and sched.blocks.num_free_blocks == 8 - 3 - 1
+    sched.finish_remote(following.request_id, ok=True)
+    for r in (first, following):
+        sched.abort(r.request_id)
+    assert sched.blocks.num_free_blocks == 8
+
+
 def test_remote_admission_refused_when_blocks_do_not_fit():
     sched = make_scheduler(num_blocks=2)
     req = make_request(prompt_len=9)
