@@ -40,7 +40,9 @@ STATUS_CODES = {
 }
 
 _SAMPLING = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
-             "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens", "skip_special_tokens")
+             "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens", "skip_special_tokens",
+             "cache_salt", "priority")
+_CHAT_ONLY = ("add_generation_prompt", "continue_final_message")
 
 
 def status_code(err: APIError) -> grpc.StatusCode:
@@ -65,20 +67,31 @@ def request_body(req: pb.GenerateRequest) -> tuple[str, dict[str, Any]]:
     if req.HasField("json_schema"):
         if req.json_object:
             raise APIError(400, "json_object and json_schema exclude each other", param="json_schema")
-        try:
-            schema = json.loads(req.json_schema)
-        except (ValueError, RecursionError):  # RecursionError: nested past what the parser takes
-            raise APIError(400, "json_schema must be a JSON Schema as JSON text", param="json_schema") from None
+        schema = _json_text(req.json_schema, "json_schema", "a JSON Schema as JSON text")
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "grpc", "schema": schema}}
+    chat_only = [name for name in (*_CHAT_ONLY, "chat_template_kwargs") if req.HasField(name)]
     if which == "chat":
         body["messages"] = [{"role": m.role, "content": m.content} for m in req.chat.messages]
+        body.update({name: getattr(req, name) for name in _CHAT_ONLY if req.HasField(name)})
+        if req.HasField("chat_template_kwargs"):
+            body["chat_template_kwargs"] = _json_text(req.chat_template_kwargs, "chat_template_kwargs",
+                                                     "a JSON object as text")
         if req.HasField("logprobs"):
             body.update(logprobs=True, top_logprobs=req.logprobs)
         return "chat", body
+    if chat_only:
+        raise APIError(400, f"{chat_only[0]} is for chat prompts", param=chat_only[0])
     body["prompt"] = req.text if which == "text" else list(req.token_ids.ids)
     if req.HasField("logprobs"):
         body["logprobs"] = req.logprobs
     return "text", body
+
+
+def _json_text(text: str, name: str, what: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):  # RecursionError: nested past what the parser takes
+        raise APIError(400, f"{name} must be {what}", param=name) from None
 
 
 async def generate(server: OpenAIServer, req: pb.GenerateRequest, timeout_s: float | None,

@@ -53,6 +53,30 @@ def test_template_variables_shape_the_prompt_for_chat_and_tokenize(server):
     assert with_vars["choices"][0]["message"]["content"] == same_text["choices"][0]["text"]  # what the model saw
 
 
+def test_over_grpc_they_shape_the_prompt_as_over_http(server):
+    import json
+
+    from cluster.router import grpc_api
+    from cluster.router import tandem_pb2 as pb
+
+    variables = {"enable_thinking": False, "persona": "terse"}
+    question = pb.Chat(messages=[pb.ChatMessage(**m) for m in QUESTION])
+
+    async def go():
+        over_grpc = [m async for m in grpc_api.generate(server, pb.GenerateRequest(
+            model=MODEL, chat=question, chat_template_kwargs=json.dumps(variables), temperature=0, max_tokens=8,
+            ignore_eos=True), None)]
+        over_http = await server.chat(chat(messages=QUESTION, chat_template_kwargs=variables, temperature=0,
+                                           max_tokens=8, ignore_eos=True))
+        return over_grpc, over_http
+
+    over_grpc, over_http = run(go())
+    assert over_grpc[-1].usage.prompt_tokens == over_http["usage"]["prompt_tokens"]
+    assert over_grpc[-1].usage.prompt_tokens == tokenize(server, {"messages": QUESTION,
+                                                                  "chat_template_kwargs": variables})["count"]
+    assert "".join(m.text for m in over_grpc[:-1]) == over_http["choices"][0]["message"]["content"]
+
+
 @pytest.mark.parametrize("variables,needle", [
     ({"chat_template": "{{ 7 * 7 }}"}, "'chat_template'"),  # another template: never from a request
     ({"messages": [{"role": "user", "content": "forged"}]}, "'messages'"),

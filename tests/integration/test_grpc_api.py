@@ -130,11 +130,15 @@ def test_usage_counts_the_prompt_tokens_a_prefix_cache_served(stack):
         first = await collect(server, pb.GenerateRequest(model=MODEL, text=text, max_tokens=2))
         again = await collect(server, pb.GenerateRequest(model=MODEL, text=text, max_tokens=2))
         http = await server.completions({"model": MODEL, "prompt": text, "max_tokens": 2})
-        return first[-1].usage, again[-1].usage, http["usage"]
+        salted = [(await collect(server, pb.GenerateRequest(model=MODEL, text=text, max_tokens=2,
+                                                            cache_salt="tenant-b")))[-1].usage for _ in range(2)]
+        return first[-1].usage, again[-1].usage, http["usage"], salted
 
-    first, again, http = run(go())
+    first, again, http, salted = run(go())
     assert first.cached_tokens == 0  # new to the prefill pool
     assert 0 < again.cached_tokens == http["prompt_tokens_details"]["cached_tokens"] < again.prompt_tokens
+    # another tenant's salt shares nothing with the unsalted blocks, then its own blocks only
+    assert salted[0].cached_tokens == 0 and salted[1].cached_tokens == again.cached_tokens
 
 
 def test_logit_bias_over_grpc_is_the_http_one(stack):
@@ -221,6 +225,12 @@ def test_json_schema_over_grpc_is_the_http_one_and_bad_schemas_are_invalid_argum
      "text", grpc.StatusCode.INVALID_ARGUMENT),
     (pb.GenerateRequest(model="gpt-4", text="hi"), {"model": "gpt-4", "prompt": "hi"}, "text",
      grpc.StatusCode.NOT_FOUND),
+    (chat_request(priority=1), chat_body(priority=1), "chat", grpc.StatusCode.INVALID_ARGUMENT),  # first-come policy
+    (chat_request(cache_salt=""), chat_body(cache_salt=""), "chat", grpc.StatusCode.INVALID_ARGUMENT),
+    (chat_request(chat_template_kwargs="[1]"), chat_body(chat_template_kwargs=[1]), "chat",
+     grpc.StatusCode.INVALID_ARGUMENT),
+    (chat_request(chat_template_kwargs='{"messages": []}'), chat_body(chat_template_kwargs={"messages": []}), "chat",
+     grpc.StatusCode.INVALID_ARGUMENT),
 ])
 def test_bad_requests_get_the_http_message_with_a_grpc_code(stack, req, body, kind, code):
     server = stack["disagg"]
@@ -230,6 +240,38 @@ def test_bad_requests_get_the_http_message_with_a_grpc_code(stack, req, body, ki
         run(server.chat(body) if kind == "chat" else server.completions(body))
     assert over_grpc.value.body() == over_http.value.body()
     assert grpc_api.status_code(over_grpc.value) == code
+
+
+def test_continue_final_message_over_grpc_is_the_http_one(stack):
+    server = stack["disagg"]
+    messages = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": "Here is one:"}]
+    chat = pb.Chat(messages=[pb.ChatMessage(**m) for m in messages])
+    opts = {"temperature": 0, "max_tokens": 6, "ignore_eos": True}
+
+    async def go():
+        go_on = await collect(server, pb.GenerateRequest(model=MODEL, chat=chat, add_generation_prompt=False,
+                                                         continue_final_message=True, **opts))
+        http = await server.chat({"model": MODEL, "messages": messages, "add_generation_prompt": False,
+                                  "continue_final_message": True, **opts})
+        new_turn = await collect(server, pb.GenerateRequest(model=MODEL, chat=chat, **opts))
+        return go_on, http, new_turn
+
+    go_on, http, new_turn = run(go())
+    assert choices(go_on)[0]["text"] == http["choices"][0]["message"]["content"]
+    assert go_on[-1].usage.prompt_tokens == http["usage"]["prompt_tokens"] < new_turn[-1].usage.prompt_tokens
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("chat_template_kwargs", "{not json", "chat_template_kwargs must be a JSON object as text"),
+    ("add_generation_prompt", False, "add_generation_prompt is for chat prompts"),
+    ("continue_final_message", True, "continue_final_message is for chat prompts"),
+])
+def test_grpc_only_shapes_of_the_chat_fields_are_invalid_arguments(stack, field, value, says):
+    req = chat_request(**{field: value}) if field == "chat_template_kwargs" else \
+        pb.GenerateRequest(model=MODEL, text="hi", **{field: value})
+    with pytest.raises(APIError) as info:
+        run(collect(stack["disagg"], req))
+    assert grpc_api.status_code(info.value) == grpc.StatusCode.INVALID_ARGUMENT and info.value.message == says
 
 
 def test_a_request_without_a_prompt_or_over_the_size_limit_is_refused(stack):
