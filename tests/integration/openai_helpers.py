@@ -28,17 +28,17 @@ async def drain(stream) -> list[dict]:
 
 
 @contextlib.contextmanager
-def serving_stack(model_path: str, engine: dict, client_for=None):
+def serving_stack(model_path: str, engine: dict, client_for=None, app: dict | None = None):
     """A prefill and a decode server (disaggregated), a colocated decode server, and an OpenAI
     server over each pair; `client_for(prefill)`: the decode side's PrefillClient (default:
-    LocalPrefillClient). Engine args apply to all three engines."""
+    LocalPrefillClient). Engine args apply to all three engines, `app`: more app args."""
     from cluster.config import AppConfig
     from cluster.decode.server import DecodeServer
     from cluster.engine.tokenizer import Tokenizer
     from cluster.prefill.server import LocalPrefillClient, PrefillServer
     from cluster.router.openai_server import OpenAIServer
 
-    args = {"model": model_path, "engine": engine, "kv_transfer": {"connector": "tcp"}}
+    args = {"model": model_path, "engine": engine, "kv_transfer": {"connector": "tcp"}, **(app or {})}
     prefill = PrefillServer(AppConfig.from_args(args))
     decode = DecodeServer(AppConfig.from_args(args))
     colocated = DecodeServer(AppConfig.from_args({**args, "mode": "colocated"}))
