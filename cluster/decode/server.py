@@ -116,7 +116,9 @@ class DecodeServer:
         limit = self.config.max_local_prefill_tokens
         if not limit:
             return False
-        uncached = len(prompt) - self.engine.engine.blocks.cached_prefix_len(prompt, params.cache_salt)
+        uncached = len(prompt)  # a prompt to score is computed whole, cache or not
+        if params.prompt_logprobs is None:
+            uncached -= self.engine.engine.blocks.cached_prefix_len(prompt, params.cache_salt)
         if uncached > limit:
             return False
         self.counters["prefilled_locally_short"] += 1

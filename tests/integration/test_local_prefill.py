@@ -21,7 +21,8 @@ def pools(tiny_model_paths):
         yield s
 
 
-def generate(pools, rid: str, prompt: list[int], disaggregated: bool = True) -> tuple[list[int], dict]:
+def generate(pools, rid: str, prompt: list[int], disaggregated: bool = True,
+             params: SamplingParams = GREEDY) -> tuple[list[int], dict]:
     """(the tokens, the trace) of one request on the disaggregated or the colocated decode server."""
     from cluster.prefill.server import LocalPrefillClient
 
@@ -29,7 +30,7 @@ def generate(pools, rid: str, prompt: list[int], disaggregated: bool = True) -> 
         tokens, trace = [], {}
         server = pools["decode"] if disaggregated else pools["colocated_server"]
         client = LocalPrefillClient(pools["prefill"]) if disaggregated else None
-        async for deltas in server.generate(rid, prompt, GREEDY, client):
+        async for deltas in server.generate(rid, prompt, params, client):
             for d in deltas:
                 tokens += d.token_ids
                 trace = d.trace or trace
@@ -52,6 +53,10 @@ def test_only_prompts_with_few_uncached_tokens_skip_the_prefill_pool(pools):
         assert trace["kv"] == kv, name
         assert sent["acked"] - before == (kv == "landed"), name  # the prefill pool saw it, or not
         assert tokens == generate(pools, f"{name}-colocated", prompt, disaggregated=False)[0], name
+    # the same next turn, scored (prompt_logprobs): computed whole, so over the limit
+    scored = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=0)
+    _, trace = generate(pools, "scored", cases[2][1], params=scored)
+    assert trace["kv"] == "landed"
     stats = run(pools["decode"].stats())
     assert stats["prefilled_locally_short"] == 2 and stats["blocks_in_use"] == 0
     assert run(pools["prefill"].stats())["blocks_in_use"] == 0
