@@ -1,6 +1,7 @@
 """Soak: N minutes at saturation with random client hang-ups, then what is left. JSON on stdout.
 
     .venv/bin/python bench/soak.py [--minutes 10] [--config configs/serve.yaml] [--concurrency 16]
+                                   [--args '{"max_local_prefill_tokens": 64}']
 
 `concurrency` clients each send one streamed chat completion after another (a short prompt,
 or every 4th a ~600-word one; max_tokens 16..128). A fifth of the requests hang up on purpose
@@ -88,10 +89,15 @@ async def drive(url: str, seconds: float, concurrency: int) -> Counter:
     return tally
 
 
+COUNTERS = ("kv_landed", "recomputed", "kv_reused_blocks", "prefilled_locally_short", "prefilled_locally_no_room",
+            "aborted", "lease_expired", "late_acks")  # since the replica started
+
+
 def snapshot(url: str) -> dict[str, dict[str, Any]]:
     return {s["replica"]: {"pool": s["pool"], "pid": s["pid"], "rss_mib": rss_mib(s["pid"]),
                            "blocks_in_use": s["blocks_in_use"], "num_running": s["num_running"],
-                           "num_waiting": s["num_waiting"]} for s in replica_stats(url)}
+                           "num_waiting": s["num_waiting"], **{k: s[k] for k in COUNTERS if k in s}}
+            for s in replica_stats(url)}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -100,8 +106,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--config", default="configs/serve.yaml")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--cpus", type=int, default=2)
+    p.add_argument("--args", type=json.loads, default={}, help="app args over the config's, as a JSON object")
     args = p.parse_args(argv)
-    with stdout_for_json_only(), local_ray(args.cpus) as url, deployed(args.config):
+    with stdout_for_json_only(), local_ray(args.cpus) as url, deployed(args.config, args.args):
         asyncio.run(drive(url, 20, 4))  # warm-up, not counted
         time.sleep(6)  # the stats board's staleness window: only live replicas from here on
         start = snapshot(url)
@@ -112,9 +119,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         end = snapshot(url)
     replicas = {rid: {"pool": e["pool"], "rss_mib_start": start.get(rid, {}).get("rss_mib"), "rss_mib_end": e["rss_mib"],
                       "blocks_in_use_end": e["blocks_in_use"], "running_end": e["num_running"],
-                      "waiting_end": e["num_waiting"]} for rid, e in end.items()}
+                      "waiting_end": e["num_waiting"], **{k: e[k] for k in COUNTERS if k in e}}
+                for rid, e in end.items()}
     errors = {k: v for k, v in tally.items() if k not in ("requests", "completed", "hung_up_on_purpose")}
-    result = {"bench": "soak", "config": args.config, "minutes": round(wall / 60, 2), "concurrency": args.concurrency,
+    result = {"bench": "soak", "config": args.config, **({"args": args.args} if args.args else {}), "minutes": round(wall / 60, 2), "concurrency": args.concurrency,
               "requests": tally["requests"], "completed": tally["completed"],
               "hung_up_on_purpose": tally["hung_up_on_purpose"], "errors": errors,
               "kv_blocks_in_use_end": sum(r["blocks_in_use_end"] for r in replicas.values()),
