@@ -39,6 +39,10 @@ class PoolReplica:
     def record_routing_stats(self) -> dict[str, Any]:
         return self.server.routing_stats()
 
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """What the pool's autoscaling policy (cluster/autoscaling.py) scales on."""
+        return self.server.autoscaling_stats()
+
     async def check_health(self) -> None:
         """Serve calls this every health_check_period_s; raising marks the replica unhealthy and
         Serve replaces it (a wedged engine: see `stall_timeout_s`)."""

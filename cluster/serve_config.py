@@ -4,7 +4,8 @@
       1. ServeDeploySchema (Ray's schema for `serve deploy` files)
       2. strict keys: every key at every level must be a field Ray knows (Ray silently drops
          unknown ones, so `num_replica: 2` would deploy one replica without a word); gRPC
-         servicer functions must import
+         servicer functions must import; a custom autoscaling policy class must take its
+         policy_kwargs (Ray's schema imports the policy, but only its controller builds it, later)
       3. Tandem apps (import_path cluster.router.app:build_app): `args` through
          AppConfig.from_args (unknown keys named), deployments named Router / PrefillPool /
          DecodePool only (no PrefillPool in colocated mode). Prefill and decode are built
@@ -50,6 +51,7 @@ def validate_serve_config(config: str | Path | dict[str, Any]) -> list[AppConfig
     check_grpc_servicers(raw.get("grpc_options") or {})
     apps = []
     for i, app in enumerate(raw.get("applications") or []):
+        check_autoscaling_policies(app, f"applications[{i}]")
         if app.get("import_path") != TANDEM_IMPORT_PATH:
             continue
         where = f"applications[{i}]"
@@ -79,6 +81,26 @@ def check_grpc_servicers(grpc_options: dict[str, Any]) -> None:
         if not callable(fn):
             raise ConfigError(f"grpc_options.grpc_servicer_functions: {path!r} cannot be imported "
                               f"(Tandem's is cluster.router.grpc_servicer.add_tandem_servicer)")
+
+
+def check_autoscaling_policies(app: dict[str, Any], where: str) -> None:
+    """Each deployment's `autoscaling_config.policy`, when a class, takes its policy_kwargs."""
+    import inspect
+
+    from ray._common.utils import import_module_and_attr  # how Serve's controller resolves it
+
+    for d in app.get("deployments") or []:
+        policy = (d.get("autoscaling_config") or {}).get("policy") or {}
+        path = policy.get("policy_function")
+        if not isinstance(path, str):
+            continue
+        at = f"{where}.deployments[{d.get('name')!r}].autoscaling_config.policy"
+        _, fn = import_module_and_attr(path)  # ServeDeploySchema has imported it already
+        if inspect.isclass(fn):
+            try:
+                fn(**(policy.get("policy_kwargs") or {}))
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"{at}.policy_kwargs: {exc}") from None
 
 
 def check_keys(model: type[BaseModel], data: Any, where: str) -> None:

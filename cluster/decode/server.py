@@ -26,6 +26,7 @@ import time
 from collections import Counter
 from typing import Any, AsyncIterator, Protocol, Sequence
 
+from cluster.autoscaling import BLOCKS_IN_USE, NUM_BLOCKS, REQUESTS
 from cluster.config import AppConfig
 from cluster.decode.worker import DecodeWorker
 from cluster.engine.async_engine import AsyncEngine
@@ -196,6 +197,13 @@ class DecodeServer:
         cache = cache_report(e.blocks) if self.config.prefix_aware_routing else {}
         return {"free_blocks": e.blocks.num_free_blocks, "num_running": len(e.scheduler.running),
                 "num_waiting": len(e.scheduler.waiting) + len(e.scheduler.remote), **cache}
+
+    def autoscaling_stats(self) -> dict[str, float]:
+        """The load DecodeAutoscaling reads (cluster/autoscaling.py)."""
+        e = self.engine.engine
+        s = e.scheduler
+        return {REQUESTS: len(s.running) + len(s.waiting) + len(s.remote),
+                BLOCKS_IN_USE: e.blocks.num_used_blocks, NUM_BLOCKS: e.blocks.num_blocks}
 
     async def stats(self) -> dict[str, Any]:
         if self.worker is not None:

@@ -15,6 +15,7 @@ import threading
 import time
 from typing import Any, Sequence
 
+from cluster.autoscaling import QUEUED_TOKENS
 from cluster.config import AppConfig
 from cluster.engine.engine import LLMEngine
 from cluster.kvtransfer.base import create_connector
@@ -82,6 +83,10 @@ class PrefillServer:
         here ([request id, its tokens to compute]) and what the prefix cache holds."""
         cache = cache_report(self.engine.blocks) if self.config.prefix_aware_routing else {}
         return {"queued": [[rid, work] for rid, (_, work) in list(self.queued.items())], **cache}
+
+    def autoscaling_stats(self) -> dict[str, float]:
+        """The load PrefillAutoscaling reads (cluster/autoscaling.py)."""
+        return {QUEUED_TOKENS: sum(work for _, work in list(self.queued.values()))}
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._timed, fn, *args)

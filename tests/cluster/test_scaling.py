@@ -114,3 +114,32 @@ def test_a_conversations_next_turn_is_prefilled_where_its_history_is_cached(serv
         sent = [-(-r.usage.prompt_tokens // 16) - t["kv_reused_tokens"] // 16 for r, t in ((first, trace), (second, trace2))]
         assert trace2["kv_reused_tokens"] >= 16 * history_blocks, k
         assert trace2["kv_bytes"] == trace["kv_bytes"] // sent[0] * sent[1], k  # the new blocks alone
+
+
+def test_the_prefill_pool_autoscales_on_the_prompt_tokens_queued_to_compute(serve_url):
+    """configs/serve-autoscaling.yaml, its delays shortened: two long prompts queue more prompt
+    tokens than one prefill replica's target (2,048), so Serve starts a second one (its default
+    policy, 2 ongoing requests per replica, would not), while the decode pool, far from its
+    targets, stays at one; idle again, the pool goes back to one. Both requests are answered."""
+    config = load_config("serve-autoscaling.yaml")
+    for d in config["applications"][0]["deployments"]:
+        if "autoscaling_config" in d:
+            d["autoscaling_config"].update(upscale_delay_s=1, downscale_delay_s=5, look_back_period_s=2)
+    apply_config(config)
+    wait_for(pools_are(1, 1), 240, "1 prefill + 1 decode replica")
+    c = client(serve_url)
+    prefill = lambda: running_replicas(settled=False).get("PrefillPool", 0)  # noqa: E731
+
+    def ask(k: int):  # ~3,300 prompt tokens, new to every cache
+        notes = " ".join(f"bale{(j * 7 + k) % 97} went north" for j in range(600))
+        return c.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=4, temperature=0,
+                                         messages=[{"role": "user", "content": f"Shipment {k}: {notes}"}])
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        replies = [pool.submit(ask, k) for k in range(2)]  # ~6,600 tokens: 2,048 per replica wants 4
+        wait_for(lambda: prefill() == 2, 120, "a second prefill replica (max_replicas 2)")
+        replies = [r.result(timeout=300) for r in replies]
+    assert all(r.choices[0].finish_reason == "length" for r in replies)
+    assert all(r.usage.prompt_tokens > 3000 for r in replies)
+    assert running_replicas(settled=False).get("DecodePool") == 1  # 2 requests, ~60% of its KV cache
+    wait_for(lambda: prefill() == 1, 120, "the prefill pool back to one replica once idle")

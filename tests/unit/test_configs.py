@@ -69,6 +69,17 @@ def test_bad_values_are_refused():
     store["applications"][0]["args"]["prefix_aware_routing"] = "no"
     with pytest.raises(ConfigError, match="prefix_aware_routing must be true or false"):
         validate_serve_config(store)
+    scaled = load("serve-autoscaling.yaml")
+    policy = scaled["applications"][0]["deployments"][1]["autoscaling_config"]["policy"]
+    policy["policy_function"] = "cluster.autoscaling:PrefilAutoscaling"
+    with pytest.raises(ConfigError, match="has no attribute 'PrefilAutoscaling'"):  # Ray's schema imports it
+        validate_serve_config(scaled)
+    policy.update(policy_function="cluster.autoscaling:PrefillAutoscaling", policy_kwargs={"target_queued_tokens": 0})
+    with pytest.raises(ConfigError, match="PrefillPool.*target_queued_tokens must be a positive integer"):
+        validate_serve_config(scaled)
+    policy["policy_kwargs"] = {"target_queue_tokens": 2048}
+    with pytest.raises(ConfigError, match="target_queue_tokens"):
+        validate_serve_config(scaled)
     colocated = load("colocated.yaml")
     colocated["applications"][0]["deployments"].append({"name": "PrefillPool", "num_replicas": 1})
     with pytest.raises(ConfigError, match="PrefillPool"):
