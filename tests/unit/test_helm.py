@@ -44,7 +44,8 @@ OVERRIDES = {
              "kv_transfer": {"connector": "tcp", "host": "0.0.0.0"}},
     "prefill": {"num_replicas": 2, "max_queued_requests": 1000000,
                 "ray_actor_options": {"num_cpus": 2, "resources": {"cpu_pool": 1}}},
-    "decode": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8},
+    "decode": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 4, "policy": {
+                   "policy_function": "cluster.autoscaling:DecodeAutoscaling", "policy_kwargs": {"target_requests": 16}}},
                "ray_actor_options": {"num_cpus": 1, "num_gpus": 1}},
     "workers": {"gpu": {"enabled": True, "replicas": 1},
                 "cpu": {"rayStartParams": {"resources": '"{\\"cpu_pool\\": 1}"'}}},
@@ -147,8 +148,7 @@ def test_overrides_reach_the_rayservice():
     assert pools["PrefillPool"]["max_queued_requests"] == 1000000  # not 1e+06
     assert pools["PrefillPool"]["ray_actor_options"] == {"num_cpus": 2, "resources": {"cpu_pool": 1}}
     assert "num_replicas" not in pools["DecodePool"]  # Serve refuses both
-    assert pools["DecodePool"]["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4,
-                                                         "target_ongoing_requests": 8}
+    assert pools["DecodePool"]["autoscaling_config"] == OVERRIDES["decode"]["autoscaling_config"]
     assert pools["DecodePool"]["ray_actor_options"] == {"num_cpus": 1, "num_gpus": 1}
 
     groups = {g["groupName"]: g for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
