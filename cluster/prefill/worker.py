@@ -82,17 +82,15 @@ class PrefillWorker:
                                   num_prompt_tokens=len(out.prompt_token_ids), num_cached_tokens=out.num_cached_tokens,
                                   prompt_logprobs=None if out.prompt_logprobs is None else out.prompt_logprobs[1:])
         result = engine.take_prefilled(request_id)
-        try:  # the leading blocks the receiver holds already (its prefix cache) are not sent
+        try:  # not a lease yet: whatever fails here frees R's blocks at once
+            # the leading blocks the receiver holds already (its prefix cache) are not sent
             payload = engine.export_kv(request_id, receiver.get("cached_blocks", 0))
-        except BaseException:
-            engine.release(request_id)
-            raise
-        sending = time.monotonic()
-        try:
+            sending = time.monotonic()
             receipt = self.connector.send(request_id, len(result.prompt_token_ids), payload, receiver)
-        except KVTransferError:
+        except BaseException as exc:
             engine.release(request_id)
-            self.counters["send_failed"] += 1
+            if isinstance(exc, KVTransferError):
+                self.counters["send_failed"] += 1
             raise
         self.leases[request_id] = self.clock() + self.lease_s
         return PrefillHandoff(request_id, result.first_token, result.first_logprobs, receipt,
