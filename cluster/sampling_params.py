@@ -29,7 +29,8 @@ class SamplingParams:
     output to one JSON object (OpenAI's `response_format: {"type": "json_object"}`; see
     engine/json_mode.py), `json_schema` to one value of a JSON Schema, given as JSON text
     (OpenAI's `response_format: {"type": "json_schema"}`; engine/json_schema.py says what is
-    supported, and anything else is refused here). `prior_output_tokens` says how many of the
+    supported, and anything else is refused here), `regex` to a match of a regular expression
+    (vLLM's `structured_outputs` regex, and choice as a pattern; engine/regex.py). `prior_output_tokens` says how many of the
     prompt's last tokens are the request's own earlier output (a migrated request), which JSON
     mode and json_schema continue from. `cache_salt` (vLLM's) keeps the request's prefix-cache
     blocks apart from those of requests without the same salt: tenants that do not share a salt
@@ -58,6 +59,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids unique
     json_object: bool = False
     json_schema: str | None = None
+    regex: str | None = None
     prior_output_tokens: int = 0
     cache_salt: str | None = None
     priority: int = 0
@@ -142,6 +144,12 @@ class SamplingParams:
             if self.json_object:
                 raise bad("json_object and json_schema exclude each other")
             schema_recognizer(self.json_schema)  # raises SchemaError (a ValueError) naming what is refused
+        if self.regex is not None:
+            from cluster.engine.regex import regex_recognizer
+
+            if self.json_object or self.json_schema is not None:
+                raise bad("regex excludes json_object and json_schema")
+            regex_recognizer(self.regex)  # raises RegexError (a ValueError) naming what is refused
 
     @property
     def greedy(self) -> bool:

@@ -23,6 +23,7 @@ from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.json_mode import JsonConstraint, JsonRecognizer
 from cluster.engine.model_runner import ModelRunner
 from cluster.engine.scheduler import Scheduler
+from cluster.engine.regex import regex_recognizer
 from cluster.engine.schema_compiler import schema_recognizer
 from cluster.engine.tokenizer import Tokenizer
 from cluster.kvtransfer.wire import KVLayout
@@ -217,9 +218,10 @@ class LLMEngine:
     def _new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                      prefill_only: bool) -> Request:
         req = Request(request_id, prompt_ids, params, self.max_model_len, self.eos_token_ids, prefill_only)
-        if params.json_object or params.json_schema is not None:
+        if params.json_object or params.json_schema is not None or params.regex is not None:
             prior = prompt_ids[-params.prior_output_tokens:] if params.prior_output_tokens else []
-            recognizer = JsonRecognizer if params.json_schema is None else schema_recognizer(params.json_schema)
+            recognizer = (regex_recognizer(params.regex) if params.regex is not None
+                          else JsonRecognizer if params.json_schema is None else schema_recognizer(params.json_schema))
             req.constraint = JsonConstraint(self.tokenizer.token_table, self.eos_token_ids | set(params.stop_token_ids),
                                             replay=prior, trailing_ids=self.tokenizer.whitespace_ids,
                                             recognizer=recognizer)

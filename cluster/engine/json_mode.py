@@ -200,11 +200,13 @@ class JsonConstraint:
                  replay: Sequence[int] = (), trailing_ids: Sequence[int] | None = None,
                  recognizer: Any = JsonRecognizer) -> None:
         """`trailing_ids`: `whitespace_ids(table)`, passed in when the caller keeps it per table.
-        `recognizer`: JSON mode's, or a schema's (json_schema.py): START, advance, is_complete."""
+        `recognizer`: JSON mode's, a schema's (json_schema.py) or a pattern's (regex.py): START,
+        advance, is_complete, and `can_end` where a value may end but also go on (a regex's \\d+)."""
         self.table = table
         self.end_ids = frozenset(end_ids)
         self.trailing_ids = whitespace_ids(table) if trailing_ids is None else trailing_ids
         self.recognizer = recognizer
+        self._can_end = getattr(recognizer, "can_end", recognizer.is_complete)
         self.state: Any = recognizer.START
         self.seen = 0
         self._feed(replay)
@@ -227,7 +229,7 @@ class JsonConstraint:
         if self.state is None:
             return True
         if token_id in self.end_ids:
-            return self.recognizer.is_complete(self.state)
+            return self._can_end(self.state)
         return self._next(self.state, token_id) is not None
 
     def _feed(self, token_ids: Sequence[int]) -> None:
