@@ -124,11 +124,11 @@ class OpenAIServer:
             req.check_stream_options()
             req.check_supported()
             ids, tools = self.chat_prompt(req)
-            as_json = (req.response_format or {}).get("type", "text") != "text"
-            if tools is not None and as_json:
-                raise APIError(400, "response_format and a tool_choice that calls tools exclude each other",
-                               param="response_format")
-            if req.continue_final_message and (tools is not None or as_json):  # its JSON starts the reply
+            held = req.held()
+            if tools is not None and held.any:
+                raise APIError(400, "response_format or structured_outputs and a tool_choice that calls tools "
+                                    "exclude each other", param="response_format")
+            if req.continue_final_message and (tools is not None or held.as_json):  # its JSON starts the reply
                 raise APIError(400, "continue_final_message cannot be held to JSON (response_format, tool calls)",
                                param="continue_final_message")
             prompts = [ids]

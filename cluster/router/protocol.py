@@ -4,28 +4,27 @@ Unknown fields are ignored, as OpenAI and vLLM do; fields that only Tandem's int
 set (KV-transfer parameters and the like) are therefore never read from a client. Known
 OpenAI features this server does not implement (tool_choice "auto", `functions`, `suffix`,
 `best_of`) are refused with a 400 naming them, never silently dropped (tool calls:
-router/tools.py); `response_format: {"type":
-"json_object"}` is JSON mode (engine/json_mode.py), `{"type": "json_schema"}` structured output
-(engine/json_schema.py: a schema keyword it cannot enforce is a 400 naming it).
+router/tools.py). What a reply is held to (`response_format`, vLLM's `structured_outputs`) is
+checked by router/structured.py.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
-from cluster.engine.json_schema import SchemaError
-from cluster.engine.schema_compiler import root_kinds, schema_recognizer, schema_text
+from cluster.engine.regex_compiler import MAX_PATTERN_CHARS
 from cluster.engine.tokenizer import RESERVED_TEMPLATE_VARIABLES
 from cluster.router.errors import APIError
+from cluster.router.structured import GUIDED, Held, held_to
 from cluster.sampling_params import (MAX_ABS_PRIORITY, MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, MAX_LOGPROBS,
                                      SamplingParams)
 
 MAX_N = 16
 MAX_CHOICES = 64  # prompts x n in one /v1/completions request
-_SCHEMA_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+MAX_OPTIONS = 256  # structured_outputs.choice
+MAX_OPTION_CHARS = 1024
 
 
 class _Strict(BaseModel):
@@ -124,6 +123,32 @@ class ChatPrompt(_Strict):
         return v
 
 
+def clean_texts(v: Any) -> Any:
+    """`clean_text` of a text, or of each text of a list."""
+    for x in v if isinstance(v, list) else [v]:
+        clean_text(x)
+    return v
+
+
+Choices = Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_OPTION_CHARS)]],
+                    Field(min_length=1, max_length=MAX_OPTIONS)]
+Pattern = Annotated[str, Field(min_length=1, max_length=MAX_PATTERN_CHARS)]
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` (router/structured.py says what each key holds a reply to)."""
+
+    choice: Choices | None = None
+    regex: Pattern | None = None
+    json_: Union[dict[str, Any], str, None] = Field(None, alias="json")
+    json_object: StrictBool | None = None
+    grammar: Any = None
+    structural_tag: Any = None
+    whitespace_pattern: Any = None
+
+    _clean = field_validator("choice", "regex")(clean_texts)
+
+
 class StreamOptions(_Strict):
     include_usage: StrictBool = False
 
@@ -150,6 +175,10 @@ class _Sampling(_Strict):
     user: str | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]] | None = None
     response_format: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's
+    guided_json: Union[dict[str, Any], str, None] = None  # vLLM's before 0.12: structured_outputs'
+    guided_regex: Pattern | None = None
+    guided_choice: Choices | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extra (lax, as vLLM: true is 1)
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)  # vLLM's: a tenant's own cache
     priority: StrictInt = Field(0, ge=-MAX_ABS_PRIORITY, lt=MAX_ABS_PRIORITY)  # vLLM's: lower runs first
@@ -174,36 +203,13 @@ class _Sampling(_Strict):
             raise ValueError("a token id is named more than once")
         return v
 
-    @property
-    def json_object(self) -> bool:
-        return (self.response_format or {}).get("type") == "json_object"
-
-    @property
-    def json_schema(self) -> str | None:
-        """The schema of a json_schema response_format as compact JSON text (checked first)."""
-        if (self.response_format or {}).get("type") != "json_schema":
-            return None
-        return schema_text(self.response_format["json_schema"]["schema"])
-
-    def check_response_format(self) -> None:
-        kind = (self.response_format or {}).get("type", "text")
-        if kind == "json_schema":
-            spec = self.response_format.get("json_schema")  # type: ignore[union-attr]
-            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-                raise APIError(400, "response_format.json_schema.schema must be a JSON Schema (an object)",
-                               param="response_format")
-            name = spec.get("name")
-            if name is not None and not (isinstance(name, str) and _SCHEMA_NAME.fullmatch(name)):
-                raise APIError(400, "response_format.json_schema.name must be 1-64 of a-z A-Z 0-9 _ -",
-                               param="response_format")
-            try:
-                if root_kinds(schema_recognizer(schema_text(spec["schema"]))) != {"object"}:
-                    raise SchemaError("the schema's root must be an object (\"type\": \"object\")")
-            except SchemaError as exc:
-                raise APIError(400, f"response_format.json_schema.schema: {exc}", param="response_format") from None
-        elif kind not in ("text", "json_object"):
-            raise APIError(400, "response_format type must be \"text\", \"json_object\" or \"json_schema\"",
-                           param="response_format")
+    def held(self) -> Held:
+        """What the reply is held to (response_format, structured_outputs), checked: 400s name the field."""
+        structured = self.structured_outputs
+        guided = {k: getattr(self, k) for k in GUIDED if getattr(self, k) is not None}
+        return held_to(self.response_format,
+                       None if structured is None else structured.model_dump(by_alias=True, exclude_none=True),
+                       guided)
 
     def logit_bias_ids(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
         """`logit_bias` as (token id, bias) pairs, every id inside the vocabulary."""
@@ -213,13 +219,7 @@ class _Sampling(_Strict):
         return pairs
 
     _clean_salt = field_validator("cache_salt")(clean_text)
-
-    @field_validator("stop")
-    @classmethod
-    def _clean_stop(cls, v: Any) -> Any:
-        for s in [v] if isinstance(v, str) else (v or []):
-            clean_text(s)
-        return v
+    _clean_texts = field_validator("stop", "guided_regex", "guided_choice")(clean_texts)
 
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -233,6 +233,7 @@ class _Sampling(_Strict):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         logit_bias: tuple[tuple[int, float], ...] = ()) -> SamplingParams:
+        held = self.held()
         try:
             return SamplingParams(
                 n=1,
@@ -252,8 +253,9 @@ class _Sampling(_Strict):
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 logit_bias=logit_bias,
-                json_object=self.json_object,
-                json_schema=self.json_schema,
+                json_object=held.json_object,
+                json_schema=held.json_schema,
+                regex=held.regex,
                 cache_salt=self.cache_salt,
                 priority=self.priority,
             )
@@ -268,7 +270,7 @@ class ChatCompletionRequest(_Sampling, ChatPrompt):
     functions: list[Any] | None = None
 
     def check_supported(self) -> None:
-        self.check_response_format()
+        self.held()
         if self.functions:
             raise APIError(400, "functions (the deprecated form of tools) is not supported: send tools",
                            param="functions")
@@ -313,7 +315,7 @@ class CompletionRequest(_Sampling):
         return list(self.prompt)
 
     def check_supported(self) -> None:
-        self.check_response_format()
+        self.held()
         if self.suffix:
             raise APIError(400, "suffix is not supported (no fill-in-the-middle)", param="suffix")
         if self.best_of is not None and self.best_of != self.n:

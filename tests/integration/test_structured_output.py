@@ -131,3 +131,64 @@ def test_a_template_that_writes_tools_gets_them_and_earlier_calls_as_objects(tin
     assert prompt.startswith(f"TOOL f {json.dumps(F_PARAMS)}|TOOL g ")
     assert prompt.endswith("|user: n?|assistant:  CALL f 7|tool: done FOR c1|") and "You can call" not in prompt
     assert json.loads(p.params.json_schema)["type"] == "array"
+
+
+def test_regex_and_choice_across_the_hand_off_equal_colocated_and_match_streamed_or_not(stack):
+    import re
+
+    pattern = r"[0-9]{3}-[a-z]{2,4}( ok)?"
+    options = ["red", "green (light)", "1+1"]
+    bodies = [chat(temperature=0, max_tokens=24, structured_outputs={"regex": pattern}),
+              chat(temperature=0, max_tokens=24, structured_outputs={"choice": options}),
+              chat(temperature=0, max_tokens=24, guided_choice=options)]  # vLLM's name before 0.12
+    sampled = chat(temperature=1.0, seed=3, n=3, max_tokens=24, structured_outputs={"choice": options})
+
+    async def go():
+        whole = [[(await stack[name].chat(b))["choices"][0] for name in ("disagg", "colocated")] for b in bodies]
+        chunks = await drain(await stack["disagg"].chat({**bodies[0], "stream": True}))
+        return whole, chunks, await stack["disagg"].chat(sampled)
+
+    whole, chunks, many = run(go())
+    for (disagg, colocated), ok in zip(whole, [lambda t: re.fullmatch(pattern, t), options.__contains__,
+                                                options.__contains__]):
+        text = disagg["message"]["content"]
+        assert text == colocated["message"]["content"] and ok(text), text
+    assert whole[1][0]["message"]["content"] == whole[2][0]["message"]["content"]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks[1:-1]) == whole[0][0]["message"]["content"]
+    for choice in many["choices"]:  # the tiny random model, sampling: still one of the options, ended there
+        assert choice["message"]["content"] in options and choice["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("extra, param, says", [
+    ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs", "grammar is not supported"),
+    ({"structured_outputs": {"regex": r"(a)\1"}}, "structured_outputs", "backreferences are not supported at position 3"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one of"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", "at least 1 item"),
+    ({"structured_outputs": {"json": {"type": "string"}}}, "structured_outputs", "root must be an object"),
+    ({"guided_regex": "a", "structured_outputs": {"regex": "b"}}, "guided_regex", "exclude each other"),
+    ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs",
+     "exclude each other"),
+    ({"structured_outputs": {"choice": ["a"]}, "tools": TOOLS, "tool_choice": "required"}, "response_format",
+     "exclude each other"),
+])
+def test_structured_outputs_it_cannot_honour_are_a_400_naming_the_field(stack, extra, param, says):
+    with pytest.raises(APIError) as info:
+        run(stack["disagg"].chat(chat(max_tokens=4, **extra)))
+    assert info.value.status == 400 and info.value.param == param and says in info.value.message
+
+
+def test_structured_outputs_json_is_a_json_schema_and_json_object_json_mode(stack):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+
+    async def go():
+        return [(await stack["disagg"].chat(chat(temperature=0, max_tokens=40, **extra)))["choices"][0]["message"]["content"]
+                for extra in ({"structured_outputs": {"json": schema}},
+                              {"structured_outputs": {"json": json.dumps(schema)}},
+                              {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}},
+                              {"structured_outputs": {"json_object": True}},
+                              {"response_format": {"type": "json_object"}})]
+
+    as_schema, as_text, as_format, as_object, as_object_format = run(go())
+    assert as_schema == as_text == as_format and isinstance(json.loads(as_schema)["ok"], bool)
+    assert as_object == as_object_format and as_object.startswith("{")
