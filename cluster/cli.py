@@ -21,8 +21,8 @@ def _chat(args: argparse.Namespace) -> int:
     if args.json_schema:
         with open(args.json_schema, encoding="utf-8") as f:
             schema = f.read()
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
-                            json_object=args.json, json_schema=schema)  # a bad schema: ValueError, before loading
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed, json_object=args.json,
+                            json_schema=schema, regex=args.regex)  # a bad schema or regex: ValueError, before loading
     llm = LLM(args.model, cache_dir=args.cache_dir, max_model_len=args.max_model_len)
     prompt = llm.engine.tokenizer.encode_chat([{"role": "user", "content": args.question}])
     for delta in llm.stream(prompt, params):
@@ -138,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--json", action="store_true", help="JSON mode: the answer is one JSON object")
     shape.add_argument("--json-schema", metavar="FILE", default=None,
                        help="structured output: the answer is one value of the JSON Schema in FILE")
+    shape.add_argument("--regex", metavar="PATTERN", default=None,
+                       help="structured output: the whole answer matches PATTERN")
     chat.set_defaults(func=_chat)
 
     convert = sub.add_parser("convert-model", help="convert the default model into an HF folder (once)")

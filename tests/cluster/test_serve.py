@@ -38,6 +38,11 @@ def test_disaggregated_app_end_to_end(serve_url):
         extra_body={"continue_final_message": True, "add_generation_prompt": False})
     assert go_on.choices[0].message.content.startswith(" Paris")
     assert r.usage.completion_tokens > 0 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    # vLLM's structured_outputs: the reply is exactly one of the choices, and the right one
+    pick = c.chat.completions.create(model=model, temperature=0, max_tokens=8, messages=[
+        {"role": "user", "content": "What is the capital of France? Answer with one word."}],
+        extra_body={"structured_outputs": {"choice": ["Berlin", "Madrid", "Paris", "Rome"]}})
+    assert pick.choices[0].message.content == "Paris" and pick.choices[0].finish_reason == "stop"
 
     stream = c.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=32, stream=True,
                                        stream_options={"include_usage": True})
