@@ -15,6 +15,7 @@ from cluster.models.architecture import Architecture
 from cluster.models.attention import AttentionMetadata, PrefillChunk, cpu_decode_index
 from cluster.models.loader import load_model
 from cluster.outputs import TokenLogprobs
+from cluster.request import Request
 from kernels import ops_for
 
 PROMPT_LOGPROB_ROWS = 256  # prompt positions per LM-head pass (256 x 49k vocab fp32 = 50 MB of logits)
@@ -87,7 +88,7 @@ class ModelRunner:
         result = sample(
             logits,
             [r.params for r in reqs],
-            [self._generator(r.request_id, r.params.seed) for r in reqs],
+            [self._generator(r, logits) for r in reqs],
             [r.prompt_token_ids for r in reqs],
             [r.output_token_ids for r in reqs],
             eos_token_ids,
@@ -178,12 +179,18 @@ class ModelRunner:
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
 
-    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
-        if seed is None:
+    def _generator(self, req: Request, logits: torch.Tensor) -> torch.Generator | None:
+        """R's own generator when seeded. A new one first skips the draws of R's tokens sampled on
+        another engine (a prefill replica's first token, a migrated request's earlier output): a
+        sampled step draws one uniform per vocabulary entry, so the tokens come out as colocated."""
+        if req.params.seed is None:
             return self.default_generator
-        g = self.generators.get(request_id)
+        g = self.generators.get(req.request_id)
         if g is None:
-            g = self.generators[request_id] = torch.Generator(device=self.device).manual_seed(seed)
+            g = self.generators[req.request_id] = torch.Generator(device=self.device).manual_seed(req.params.seed)
+            if not req.params.greedy:
+                for _ in range(req.num_output_tokens + req.params.prior_output_tokens):
+                    torch.empty(logits.shape[1], dtype=logits.dtype, device=self.device).uniform_(generator=g)
         return g
 
     def forget(self, request_id: str) -> None:

@@ -255,6 +255,34 @@ def test_seeded_sampling_is_reproducible_alone_or_batched(tiny_model_paths):
     assert other_seed != alone
 
 
+def test_seeded_sampling_gives_the_colocated_tokens_after_a_hand_off_a_recompute_or_a_migration(tiny_model_paths):
+    folder = str(tiny_model_paths["llama"])
+    params = SamplingParams(temperature=1.0, top_k=50, max_tokens=16, seed=77, ignore_eos=True)
+    prompt = mixed_prompts()[1]
+    expected = token_ids(LLM(folder).generate([prompt], params))[0]
+
+    prefill, decode = LLM(folder).engine, LLM(folder).engine
+    prefill.add_request("r", prompt, params, prefill_only=True)
+    while prefill.has_unfinished_requests():
+        prefill.step()
+    handed = prefill.take_prefilled("r")
+    assert handed.first_token == expected[0]
+    for rid, ok in (("landed", True), ("recomputed", False)):  # the first token from the prefill side
+        assert decode.admit_remote(rid, prompt, params) is not None
+        if ok:
+            decode.import_kv(rid, prefill.export_kv("r"))
+        decode.finish_remote(rid, ok=ok, first_token=handed.first_token, recompute=not ok)
+    finals = {}
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            finals[out.request_id] = out.outputs[0].token_ids
+    assert finals["landed"] == expected and finals["recomputed"] == expected
+
+    k = 5  # a stream migrated after 5 tokens: the prompt now ends with them
+    moved = SamplingParams(temperature=1.0, top_k=50, max_tokens=16 - k, seed=77, ignore_eos=True, prior_output_tokens=k)
+    assert token_ids(LLM(folder).generate([prompt + expected[:k]], moved))[0] == expected[k:]
+
+
 def test_n_samples_stop_strings_and_logprobs_reach_the_outputs(tiny_model_paths):
     llm = LLM(str(tiny_model_paths["llama"]))
     greedy = llm.generate(["The quick brown fox"], SamplingParams(temperature=0.0, max_tokens=24,
