@@ -12,6 +12,9 @@ MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's limit)
 MAX_ABS_LOGIT_BIAS = 100.0
 MAX_CACHE_SALT_CHARS = 256
 MAX_ABS_PRIORITY = 2**31  # priorities are in [-2**31, 2**31)
+MAX_ALLOWED_TOKEN_IDS = 1 << 17
+MAX_BAD_WORDS = 128  # token sequences (each bad word gives one or two)
+MAX_BAD_WORD_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -23,7 +26,10 @@ class SamplingParams:
     logprob plus the top-k alternatives (k may be 0); `prompt_logprobs=k` the same for each
     prompt token after the first, from the model's own logits at the position before it (the
     whole prompt is computed: no prefix-cache hits for such a request). Stop strings are matched across
-    token boundaries and are not included in the output text. `logit_bias` adds a bias in
+    token boundaries and are not included in the output text (vLLM's `include_stop_str_in_output`
+    keeps the one that matched). vLLM's `allowed_token_ids` keeps only those tokens samplable;
+    `bad_words_token_ids` (vLLM's `bad_words`, tokenized by the router) bans each sequence's last
+    token wherever the output ends with the ones before it. `logit_bias` adds a bias in
     [-100, 100] to the logits of the token ids it names before sampling (-100 bans a token in
     practice, 100 all but forces it), as OpenAI's `logit_bias`. `json_object` constrains the
     output to one JSON object (OpenAI's `response_format: {"type": "json_object"}`; see
@@ -60,6 +66,9 @@ class SamplingParams:
     json_object: bool = False
     json_schema: str | None = None
     regex: str | None = None
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     prior_output_tokens: int = 0
     cache_salt: str | None = None
     priority: int = 0
@@ -74,6 +83,9 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", tuple((t, b) for t, b in bias))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        object.__setattr__(self, "bad_words_token_ids", tuple(tuple(w) for w in self.bad_words_token_ids))
         self._validate()
 
     def _validate(self) -> None:
@@ -136,6 +148,7 @@ class SamplingParams:
         if (not isinstance(self.priority, int) or isinstance(self.priority, bool)
                 or not -MAX_ABS_PRIORITY <= self.priority < MAX_ABS_PRIORITY):
             raise bad(f"priority must be an integer in [-2**31, 2**31), got {self.priority!r}")
+        self._validate_token_sets()
         if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
             raise bad("logit_bias names a token id more than once")
         if self.json_schema is not None:
@@ -150,6 +163,18 @@ class SamplingParams:
             if self.json_object or self.json_schema is not None:
                 raise bad("regex excludes json_object and json_schema")
             regex_recognizer(self.regex)  # raises RegexError (a ValueError) naming what is refused
+
+    def _validate_token_sets(self) -> None:
+        def ids(xs: tuple) -> bool:
+            return all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in xs)
+
+        allowed = self.allowed_token_ids
+        if allowed is not None and not (0 < len(allowed) <= MAX_ALLOWED_TOKEN_IDS and ids(allowed)):
+            raise ValueError(f"allowed_token_ids must be 1 to {MAX_ALLOWED_TOKEN_IDS} token ids (integers >= 0)")
+        words = self.bad_words_token_ids
+        if len(words) > MAX_BAD_WORDS or not all(0 < len(w) <= MAX_BAD_WORD_TOKENS and ids(w) for w in words):
+            raise ValueError(f"bad_words_token_ids must be at most {MAX_BAD_WORDS} sequences of 1 to "
+                             f"{MAX_BAD_WORD_TOKENS} token ids")
 
     @property
     def greedy(self) -> bool:

@@ -29,14 +29,16 @@ class IncrementalDetokenizer:
     (max_tokens mid-character) is never emitted.
 
     `output_text` is everything decoded so far, cut just before the first stop string to
-    complete (matched across token boundaries). `take_delta` hands out the part not yet
+    complete (matched across token boundaries), or just after it with `include_stop`. `take_delta` hands out the part not yet
     taken, holding back (longest stop string - 1) characters until finished, so no part of
     a stop string that later matches is ever streamed.
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], *,
-                 skip_special_tokens: bool = True, stop: Sequence[str] = ()) -> None:
+                 skip_special_tokens: bool = True, stop: Sequence[str] = (),
+                 include_stop: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.include_stop = include_stop
         self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(stop)
         self.stop_reason: str | None = None
@@ -49,7 +51,7 @@ class IncrementalDetokenizer:
 
     def add_tokens(self, token_ids: Sequence[int]) -> str | None:
         """Append generated tokens; return the stop string that matched (output_text is then
-        cut just before it, and later calls do nothing), else None."""
+        cut there, and later calls do nothing), else None."""
         if self.stop_reason is not None:
             return None
         for token_id in token_ids:
@@ -101,6 +103,6 @@ class IncrementalDetokenizer:
                 best = (idx + len(s), idx, s)
         if best is None:
             return False
-        self.output_text = self.output_text[:best[1]]
+        self.output_text = self.output_text[:best[0] if self.include_stop else best[1]]
         self.stop_reason = best[2]
         return True

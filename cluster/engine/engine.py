@@ -230,7 +230,8 @@ class LLMEngine:
     def _track(self, req: Request, prompt: str | None) -> None:
         self._detok[req.request_id] = IncrementalDetokenizer(
             self.tokenizer.hf, req.prompt_token_ids,
-            skip_special_tokens=req.params.skip_special_tokens, stop=req.params.stop)
+            skip_special_tokens=req.params.skip_special_tokens, stop=req.params.stop,
+            include_stop=req.params.include_stop_str_in_output)
         self._logprobs[req.request_id] = []
         self._prompts[req.request_id] = prompt
         if req.output_token_ids:

@@ -10,7 +10,7 @@ import torch
 
 from cluster.engine.json_mode import JsonConstraint
 from cluster.outputs import Logprob
-from cluster.sampling_params import SamplingParams
+from cluster.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
 
 __all__ = ["Logprob", "SampleResult", "sample", "score_tokens"]
 
@@ -31,7 +31,8 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            constraints: Sequence[JsonConstraint | None] | None = None) -> SampleResult:
     """Pick one token per row of `logits` [B, V] (float32; left unmodified).
 
-    Order, as in vLLM v1: logprobs from the raw logits; min_tokens masks EOS and stop_token_ids;
+    Order, as in vLLM v1: logprobs from the raw logits; allowed_token_ids and bad words mask the
+    rest and the banned; min_tokens masks EOS and stop_token_ids;
     logit_bias is added; repetition (prompt + output), frequency and presence (output)
     penalties; a JSON-mode row (`constraints[i]`) keeps only the tokens its JSON allows (see
     `_apply_constraints`); then greedy argmax (temperature 0) or temperature → top-k → top-p →
@@ -45,12 +46,15 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     biased = _logit_bias(params, vocab)
     penalty_rows = [i for i, p in enumerate(params) if p.needs_penalties]
     json_rows = {i: c for i, c in enumerate(constraints or ()) if c is not None}
-    if (not (logprob_rows or blocked[0] or biased[0] or penalty_rows or json_rows)
+    restricted = [i for i, p in enumerate(params) if p.allowed_token_ids is not None or p.bad_words_token_ids]
+    if (not (logprob_rows or blocked[0] or biased[0] or penalty_rows or json_rows or restricted)
             and all(p.greedy for p in params)):
         return SampleResult(logits.argmax(dim=-1).tolist(), [None] * num_rows)
 
     raw_logprobs = torch.log_softmax(logits[_index(logprob_rows, logits)], dim=-1) if logprob_rows else None
     logits = logits.clone()
+    for i in restricted:
+        _restrict(logits[i], params[i], output_ids[i])
     if blocked[0]:
         logits[_index(blocked[0], logits), _index(blocked[1], logits)] = _NEG_INF
     if biased[0]:  # (row, token) pairs are unique: a plain indexed add
@@ -84,6 +88,21 @@ def _min_tokens_blocks(params: Sequence[SamplingParams], output_ids: Sequence[Se
             rows.extend([i] * len(banned))
             cols.extend(banned)
     return rows, cols
+
+
+def _restrict(row: torch.Tensor, p: SamplingParams, output_ids: Sequence[int]) -> None:
+    """Mask `row` [V] in place to `p.allowed_token_ids`, and ban each bad word's last token where
+    the output ends with the tokens before it (a one-token word: everywhere)."""
+    vocab = row.shape[0]
+    if p.allowed_token_ids is not None:
+        allowed = _index([t for t in p.allowed_token_ids if t < vocab], row)
+        kept = row[allowed]
+        row.fill_(_NEG_INF)
+        row[allowed] = kept
+    tail = list(output_ids[-(MAX_BAD_WORD_TOKENS - 1):])
+    for word in p.bad_words_token_ids:
+        if word[-1] < vocab and (len(word) == 1 or tail[max(len(tail) - len(word) + 1, 0):] == list(word[:-1])):
+            row[word[-1]] = _NEG_INF
 
 
 def _logit_bias(params: Sequence[SamplingParams], vocab: int) -> tuple[list[int], list[int], list[float]]:

@@ -139,17 +139,21 @@ class OpenAIServer:
             req.check_supported()
             tools = None
             prompts = [self._completion_prompt(p) for p in req.prompts()]
+        req.check_extras()
+        prompts = [req.truncated(ids, self.max_model_len) for ids in prompts]
         if req.priority and self.scheduling_policy != "priority":  # as vLLM: not silently first-come
             raise APIError(400, "priority scheduling is not enabled (the engine's scheduling_policy is "
                                 f"{self.scheduling_policy!r})", param="priority")
         limits = [self._limits(ids, req.requested_max_tokens()) for ids in prompts]  # each its own room
         bias = req.logit_bias_ids(self.tokenizer.vocab_size)
-        per_prompt = [req.sampling_params(limit, req.requested_logprobs(), bias) for limit in limits]
+        extras = req.token_fields(self.tokenizer.hf, self.tokenizer.vocab_size)
+        per_prompt = [req.sampling_params(limit, req.requested_logprobs(), bias, **extras) for limit in limits]
         if tools is not None:
             per_prompt = [dataclasses.replace(ps, json_schema=tools.schema) for ps in per_prompt]
         echo = None
         if kind == "text" and req.echo:
-            echo = [p if isinstance(p, str) else self.tokenizer.hf.decode(p) for p in req.prompts()]
+            echo = [p if isinstance(p, str) and req.truncate_prompt_tokens is None else self.tokenizer.hf.decode(ids)
+                    for p, ids in zip(req.prompts(), prompts)]
         scored = req.requested_prompt_logprobs()
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         # a prompt is scored once, by its first sample, unless every choice streams its own echo
@@ -227,8 +231,9 @@ class OpenAIServer:
         except BaseException:
             await merged.aclose()
             raise
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        lines = self._stream(p, created, first, merged, include_usage, deadline)
+        o = req.stream_options
+        usage = None if not (o and o.include_usage) else "every chunk" if o.continuous_usage_stats else "at the end"
+        lines = self._stream(p, created, first, merged, usage, deadline)
         return SSEStream(lines, merged)
 
     async def _collect(self, child: Child) -> _Choice:
@@ -268,13 +273,14 @@ class OpenAIServer:
         return response
 
     async def _stream(self, p: Prepared, created: int, first: tuple[int, TokenDelta],
-                      rest: AsyncIterator[tuple[int, TokenDelta]], include_usage: bool,
+                      rest: AsyncIterator[tuple[int, TokenDelta]], usage: str | None,
                       deadline: float | None) -> AsyncIterator[str]:
+        """SSE lines; `usage`: None, "at the end" (include_usage) or "every chunk" (vLLM's
+        continuous_usage_stats: the counts so far in each chunk too)."""
         kind, rid, n, tools = p.kind, p.request_id, len(p.children), p.tools
         with_logprobs = p.params.logprobs is not None
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         base = {"id": rid, "object": obj, "created": created, "model": self.model_name}
-        extra = {"usage": None} if include_usage else {}
         completion_tokens = 0
         offsets = [0] * n  # per choice: where its next token starts in its text (completions logprobs)
         calls = [CallStream(tools) for _ in range(n)] if tools is not None else None
@@ -282,6 +288,8 @@ class OpenAIServer:
         cached: list[int | None] = [None] * n  # per choice, from its first delta
 
         def chunk(choices: list[dict[str, Any]]) -> str:
+            so_far = _usage(p.prompt_tokens, completion_tokens, p.cached_tokens(cached)) if usage == "every chunk" else None
+            extra = {"usage": so_far} if usage else {}
             return f"data: {json.dumps({**base, 'choices': choices, **extra}, ensure_ascii=False)}\n\n"
 
         try:
@@ -324,9 +332,9 @@ class OpenAIServer:
             return
         finally:
             await rest.aclose()
-        if include_usage:
-            usage = _usage(p.prompt_tokens, completion_tokens, p.cached_tokens(cached))
-            yield f"data: {json.dumps({**base, 'choices': [], 'usage': usage})}\n\n"
+        if usage:
+            total = _usage(p.prompt_tokens, completion_tokens, p.cached_tokens(cached))
+            yield f"data: {json.dumps({**base, 'choices': [], 'usage': total})}\n\n"
         yield "data: [DONE]\n\n"
 
 

@@ -18,6 +18,7 @@ from cluster.engine.regex_compiler import MAX_PATTERN_CHARS
 from cluster.engine.tokenizer import RESERVED_TEMPLATE_VARIABLES
 from cluster.router.errors import APIError
 from cluster.router.structured import GUIDED, Held, held_to
+from cluster.router.vllm_extras import VllmExtras
 from cluster.sampling_params import (MAX_ABS_PRIORITY, MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, MAX_LOGPROBS,
                                      SamplingParams)
 
@@ -151,9 +152,10 @@ class StructuredOutputs(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM's: with include_usage, usage in every chunk
 
 
-class _Sampling(_Strict):
+class _Sampling(_Strict, VllmExtras):
     model: str
     n: StrictInt = Field(1, ge=1, le=MAX_N)
     stream: StrictBool = False
@@ -219,7 +221,7 @@ class _Sampling(_Strict):
         return pairs
 
     _clean_salt = field_validator("cache_salt")(clean_text)
-    _clean_texts = field_validator("stop", "guided_regex", "guided_choice")(clean_texts)
+    _clean_texts = field_validator("stop", "guided_regex", "guided_choice", "bad_words")(clean_texts)
 
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -232,7 +234,7 @@ class _Sampling(_Strict):
         return self.prompt_logprobs
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        logit_bias: tuple[tuple[int, float], ...] = ()) -> SamplingParams:
+                        logit_bias: tuple[tuple[int, float], ...] = (), **extras: Any) -> SamplingParams:
         held = self.held()
         try:
             return SamplingParams(
@@ -258,6 +260,7 @@ class _Sampling(_Strict):
                 regex=held.regex,
                 cache_salt=self.cache_salt,
                 priority=self.priority,
+                **extras,
             )
         except ValueError as exc:
             raise APIError(400, str(exc)) from None

@@ -219,3 +219,27 @@ def test_logit_bias_shifts_sampling_frequencies_like_added_logits():
 def test_logit_bias_is_validated(bias, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         SamplingParams(logit_bias=bias)
+
+
+def test_allowed_token_ids_are_all_a_row_may_sample_and_other_rows_keep_the_vocab():
+    logits = random_logits(2, 500, seed=4)
+    allowed = (7, 99, 250)
+    params = [SamplingParams(temperature=1.0, allowed_token_ids=allowed), SamplingParams(temperature=1.0)]
+    gens = [torch.Generator().manual_seed(s) for s in (1, 2)]
+    picked = [run(logits, params, generators=gens).token_ids for _ in range(300)]
+    assert {row[0] for row in picked} <= set(allowed) and len({row[0] for row in picked}) > 1
+    assert len({row[1] for row in picked} - set(allowed)) > 10
+    greedy = run(logits[:1], SamplingParams(temperature=0, allowed_token_ids=allowed)).token_ids[0]
+    assert greedy == max(allowed, key=lambda t: logits[0, t].item())
+
+
+def test_a_bad_word_bans_its_last_token_only_after_the_tokens_before_it():
+    logits = torch.zeros(1, 50)
+    logits[0, 10] = 5.0  # the favourite, then 11, then 12
+    logits[0, 11] = 4.0
+    logits[0, 12] = 3.0
+    word = SamplingParams(temperature=0, bad_words_token_ids=((20, 21, 10), (11,)))
+    assert run(logits, word, outputs=[[5, 20]]).token_ids == [10]  # output ends with 20, not 20 21
+    assert run(logits, word, outputs=[[20, 21]]).token_ids == [12]  # 10 banned after 20 21; 11 always
+    assert run(logits, word, outputs=[[21]]).token_ids == [10]  # a shorter tail never matches a longer prefix
+    assert run(logits, word).token_ids == [10]
