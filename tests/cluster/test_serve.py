@@ -296,17 +296,24 @@ def test_each_request_is_traced_under_its_id(serve_url):
     assert len(served_by) == 2  # both routers served some (so lookups also met the other one)
 
 
+def seeded(c, model: str) -> list[str]:
+    return [ch.message.content for ch in c.chat.completions.create(
+        model=model, messages=QUESTION, temperature=1.0, seed=21, n=2, max_tokens=16).choices]
+
+
 def test_greedy_identical_colocated_and_every_connector(serve_url):
-    outputs = {}
-    landed = {}
+    """And sampled with a seed: a seed gives the same replies wherever the first token is drawn."""
+    outputs, sampled, landed = {}, {}, {}
     for name in ("colocated.yaml", "serve-tcp.yaml", "serve-shared-store.yaml", "serve-collective.yaml"):
         deploy(args_of(name))
         c = client(serve_url)
         outputs[name] = greedy(c, c.models.list().data[0].id)
+        sampled[name] = seeded(c, c.models.list().data[0].id)
         landed[name] = sum(s.get("kv_landed", 0) for s in replica_stats(serve_url, settle_s=1.5))
     for name in ("serve-tcp.yaml", "serve-shared-store.yaml", "serve-collective.yaml"):
         assert outputs[name] == outputs["colocated.yaml"], name
-        assert landed[name] == len(PROMPTS), name  # each prompt's KV crossed this connector
+        assert sampled[name] == sampled["colocated.yaml"], name
+        assert landed[name] == len(PROMPTS) + 2, name  # each prompt's KV crossed this connector
     assert "Paris" in outputs["colocated.yaml"][0]
 
 
