@@ -41,7 +41,7 @@ STATUS_CODES = {
 
 _SAMPLING = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
              "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens", "skip_special_tokens",
-             "cache_salt", "priority")
+             "cache_salt", "priority", "include_stop_str_in_output", "truncate_prompt_tokens")
 _CHAT_ONLY = ("add_generation_prompt", "continue_final_message")
 
 
@@ -58,8 +58,9 @@ def request_body(req: pb.GenerateRequest) -> tuple[str, dict[str, Any]]:
     body.update({name: getattr(req, name) for name in _SAMPLING if req.HasField(name)})
     if req.stop:
         body["stop"] = list(req.stop)
-    if req.stop_token_ids:
-        body["stop_token_ids"] = list(req.stop_token_ids)
+    for name in ("stop_token_ids", "allowed_token_ids", "bad_words"):
+        if getattr(req, name):
+            body[name] = list(getattr(req, name))
     if req.logit_bias:
         body["logit_bias"] = {str(token): bias for token, bias in req.logit_bias.items()}
     if req.json_object:

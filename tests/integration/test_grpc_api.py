@@ -227,6 +227,22 @@ def test_regex_and_choice_over_grpc_are_the_http_structured_outputs(stack):
         assert grpc_api.status_code(info.value) == grpc.StatusCode.INVALID_ARGUMENT and says in info.value.message
 
 
+def test_vllm_extras_over_grpc_are_the_http_ones(stack):
+    server = stack["disagg"]
+    hf = server.tokenizer.hf
+    extras = {"include_stop_str_in_output": True, "allowed_token_ids": [hf.convert_tokens_to_ids(t) for t in "abc"],
+              "bad_words": ["b"], "truncate_prompt_tokens": 6}
+    kind, body = grpc_api.request_body(chat_request(max_tokens=8, stop=["ca"], **extras))
+    assert kind == "chat" and body == chat_body(max_tokens=8, stop=["ca"], **extras)
+
+    async def go():
+        return (choices(await collect(server, chat_request(temperature=0, max_tokens=8, stop=["ca"], **extras)))[0],
+                (await server.chat(chat_body(temperature=0, max_tokens=8, stop=["ca"], **extras)))["choices"][0])
+
+    over_grpc, http = run(go())
+    assert over_grpc["text"] == http["message"]["content"] and set(over_grpc["text"]) <= {"a", "c"}
+
+
 @pytest.mark.parametrize("req, body, kind, code", [
     (chat_request(logit_bias={-1: 1.0}), chat_body(logit_bias={"-1": 1.0}), "chat", grpc.StatusCode.INVALID_ARGUMENT),
     (chat_request(temperature=3.0), chat_body(temperature=3.0), "chat", grpc.StatusCode.INVALID_ARGUMENT),
