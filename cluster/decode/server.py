@@ -7,7 +7,9 @@ KV coming from a prefill replica (disaggregated).
       here: R joins the engine's queue like any request
       disaggregated:
         1. reserve R's destination blocks; expect R on the connector  (no room → prefill here);
-           the blocks of R's prefix already cached here are shared, and not sent
+           the blocks of R's prefix already cached here are shared, and not sent. The same
+           prompt already on its way here (n samples, a burst of one prompt): wait for it to
+           land first, so its KV crosses once and its blocks are held once
         2. await prefill.prefill(R, ..., receiver)  → first token, KV pushed/put by prefill
            (a prefill replica lost before answering: retried on another, PREFILL_RETRIES times)
         3. fetch + verify the KV off the engine thread; import it; R joins the running batch
@@ -22,6 +24,7 @@ The Serve deployment (cluster/decode/deployment.py) is a thin shell over this cl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
 from typing import Any, AsyncIterator, Protocol, Sequence
@@ -75,6 +78,7 @@ class DecodeServer:
         self.last_abort_at = 0.0  # wall time an abandoned request's blocks were last freed
         self.faults: set[str] = set()  # tests: 'delay_fetch' waits 1.5 s before the next fetch
         self._acks: set[asyncio.Task] = set()
+        self._landing: dict[tuple, asyncio.Event] = {}  # (prompt, salt) → set once its KV landed here
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                        prefill: PrefillClient | None = None) -> AsyncIterator[list[TokenDelta]]:
@@ -128,6 +132,35 @@ class DecodeServer:
 
     async def _remote_prefill(self, rid: str, prompt: list[int], params: SamplingParams,
                               prefill: PrefillClient, trace: dict[str, Any]) -> None:
+        worker = self.worker
+        assert worker is not None
+        key = (tuple(prompt), params.cache_salt)
+        ahead = self._landing.get(key)
+        if ahead is None:
+            self._landing[key] = landed = asyncio.Event()
+            try:
+                await self._reserve_and_prefill(rid, prompt, params, prefill, trace)
+            finally:
+                landed.set()
+                if self._landing.get(key) is landed:
+                    del self._landing[key]
+            return
+        if self._shares_prefix(prompt, params):
+            waiting = time.monotonic()
+            self.counters["same_prompt_waits"] += 1
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(ahead.wait(), self.config.kv_transfer.timeout_s)
+            trace["same_prompt_wait_s"] = time.monotonic() - waiting
+        await self._reserve_and_prefill(rid, prompt, params, prefill, trace)
+
+    def _shares_prefix(self, prompt: list[int], params: SamplingParams) -> bool:
+        """Whether R could take full blocks of its prompt from this replica's prefix cache."""
+        blocks = self.engine.engine.blocks
+        return (blocks.enable_prefix_caching and params.prompt_logprobs is None
+                and len(prompt) > blocks.block_size)
+
+    async def _reserve_and_prefill(self, rid: str, prompt: list[int], params: SamplingParams,
+                                   prefill: PrefillClient, trace: dict[str, Any]) -> None:
         worker = self.worker
         assert worker is not None
         receiver = await self.engine.call(lambda e: worker.reserve(rid, prompt, params))

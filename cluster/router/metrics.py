@@ -57,6 +57,8 @@ COUNTERS: dict[str, tuple[str, Stat]] = {
                                  if s.get("pool") in ("prefill", "decode") else None),
     "tandem:kv_reused_blocks": ("Prompt KV blocks a decode replica's prefix cache held, so not sent to it.",
                                 _key("kv_reused_blocks")),
+    "tandem:same_prompt_waits": ("Requests that waited for the same prompt's KV to land on their decode replica "
+                                 "first (n samples, a burst), to share its blocks.", _key("same_prompt_waits")),
     "tandem:kv_leases_expired": ("Prefill blocks freed because decode never acknowledged them.", _key("lease_expired")),
     "tandem:kv_late_acks": ("Acknowledgements that came after their lease expired (ignored).", _key("late_acks")),
     "tandem:kv_recomputed": ("Prompts recomputed on decode after a failed prefill or transfer.", _key("recomputed")),

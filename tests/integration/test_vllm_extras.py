@@ -102,3 +102,4 @@ def test_extras_out_of_range_are_a_400_naming_the_field(stack, extra, param):
     with pytest.raises(APIError) as info:
         run(stack["disagg"].chat(chat(max_tokens=4, **extra)))
     assert info.value.status == 400 and info.value.param == param
+
