@@ -4,11 +4,15 @@ Each step: running requests first (one decode token each, or the next chunk of a
 then waiting requests in arrival order while the token budget, `max_num_seqs` and free
 blocks allow. When a running request needs a block and none is free, the most recently
 admitted running request is preempted: its blocks are freed and it goes back to the front
-of the queue to recompute prompt + output so far.
+of the queue to recompute prompt + output so far. A waiting request whose next prompt block
+a running one is still computing (n samples of one prompt, a burst of one system prompt)
+waits for it, and then takes it from the prefix cache instead of computing it again; the
+requests behind it go ahead meanwhile (at most MAX_DEFERRED of them wait so in one step).
 
 `scheduling_policy: priority` (vLLM's): the same, with requests ranked by (priority, arrival)
 instead of arrival alone, lower first: running requests take the step's budget and blocks in
-that order, the waiting one ranked first is admitted next (and nothing behind it skips it),
+that order, the waiting one ranked first is admitted next (and nothing behind it skips it,
+unless it waits for blocks being computed),
 and the victim of a preemption is the running request ranked last.
 
     engine.step():  plan = scheduler.schedule()     # which requests, how many tokens
@@ -25,6 +29,8 @@ from dataclasses import dataclass, field
 from cluster.config import SchedulerConfig
 from cluster.engine.block_manager import BlockManager
 from cluster.request import Request, RequestStatus
+
+MAX_DEFERRED = 64  # waiting requests passed over in one step while their shared blocks compute
 
 
 @dataclass(frozen=True)
@@ -138,9 +144,15 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = min(self.waiting, key=_rank) if self.by_priority else self.waiting[0]
+        computing = self._being_computed()
+        deferred = 0
+        for req in sorted(self.waiting, key=_rank) if self.by_priority else list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs or deferred > MAX_DEFERRED:
+                break
             cached = None if req.needs_prompt_logprobs else self.blocks.find_cached_prefix(req)  # None: no lookup
+            if cached is not None and self._next_block_computing(req, len(cached), computing):
+                deferred += 1
+                continue
             num_cached = len(cached or []) * self.blocks.block_size
             n = req.num_tokens - num_cached
             if n > budget:
@@ -157,6 +169,21 @@ class Scheduler:
             self.running.append(req)
             plan.chunks.append(ScheduledChunk(req, num_cached, n))
             budget -= n
+            if cached is not None:
+                computing.update(req.block_hashes[len(cached):])
+
+    def _being_computed(self) -> set[bytes]:
+        """Hashes of the prompt blocks running requests have yet to compute."""
+        if not self.blocks.enable_prefix_caching:
+            return set()
+        bs = self.blocks.block_size
+        return {h for r in self.running if r.num_computed_tokens < r.num_prompt_tokens
+                for h in r.block_hashes[r.num_computed_tokens // bs:]}
+
+    def _next_block_computing(self, req: Request, num_cached: int, computing: set[bytes]) -> bool:
+        """Whether the first block `req` would compute is one a running request computes now."""
+        shareable = (req.num_tokens - 1) // self.blocks.block_size
+        return num_cached < min(shareable, len(req.block_hashes)) and req.block_hashes[num_cached] in computing
 
     def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
         """Apply a step's results; returns the requests that finished (token-level stops)."""

@@ -1,5 +1,6 @@
-"""Disaggregated, in one process (no Ray): samples of one prompt (n > 1, or a burst of the same
-prompt) on one decode replica take its KV across once and hold its full blocks once."""
+"""In one process (no Ray): samples of one prompt (n > 1, or a burst of the same prompt) on one
+decode replica take its KV across once and hold its full blocks once; colocated, they compute
+them once."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ def test_n_samples_of_one_prompt_send_its_kv_once_and_hold_it_once(stack):
     prompt_len = len(stack["disagg"].prepare("chat", body).children[0].prompt_ids)
     bs = decode.engine.engine.blocks.block_size
     before = dict(decode.connector.stats()), decode.worker.counters["kv_reused_blocks"]
+    colocated_blocks = stack["colocated_server"].engine.engine.blocks
+    hits = colocated_blocks.prefix_hits
 
     async def go():
         return [await stack[name].chat(body) for name in ("disagg", "colocated")]
@@ -29,6 +32,9 @@ def test_n_samples_of_one_prompt_send_its_kv_once_and_hold_it_once(stack):
     sent = decode.connector.stats()["received_bytes"] - before[0].get("received_bytes", 0)
     assert sent == (-(-prompt_len // bs) + 3 * (-(-prompt_len // bs) - full)) * block_bytes
     assert decode.engine.engine.blocks.num_used_blocks == 0
+    # colocated, the engine does the same: the later samples wait for the first to compute the
+    # prompt's full blocks, then take them from its prefix cache
+    assert colocated_blocks.prefix_hits - hits == 3 * full * bs
 
 
 def test_a_sample_cancelled_while_it_waits_for_its_sibling_leaves_nothing_behind(stack):

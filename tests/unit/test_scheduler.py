@@ -187,3 +187,34 @@ def test_a_request_waiting_for_blocks_counts_one_prefix_lookup_when_admitted():
     while sched.has_work():
         run_step(sched)
     assert sched.blocks.prefix_queries == 12 + 8  # each prompt once (the metric vllm:prefix_cache_queries)
+
+
+def test_a_prompt_another_request_is_computing_waits_for_its_blocks_then_takes_them_from_the_cache():
+    sched = make_scheduler(block_size=4, max_num_batched_tokens=8)
+    prompt = list(range(1, 19))  # 4 full blocks + 2 tokens
+    first, twin, other = make_request(prompt=prompt), make_request(prompt=prompt), make_request(prompt_len=3)
+    tail = make_request(prompt=prompt[:9] + [99] * 6)  # shares 2 full blocks, then differs
+    for r in (first, twin, other, tail):
+        sched.add(r)
+    plan, _ = run_step(sched)  # first's prompt in chunks of 8; the others that share it wait
+    assert [c.request for c in plan.chunks] == [first] and twin.status == RequestStatus.WAITING
+    plan, _ = run_step(sched)
+    assert [c.request for c in plan.chunks] == [first]  # the budget: the 3-token prompt is next in line
+    plan, _ = run_step(sched)  # first's last 2 tokens; its 4 full blocks were cached last step
+    assert [(c.request, c.num_tokens) for c in plan.chunks] == [(first, 2), (twin, 2), (other, 3), (tail, 1)]
+    assert twin.num_cached_tokens == 16 and twin.block_ids[:4] == first.block_ids[:4]
+    assert tail.num_cached_tokens == 8 and tail.block_ids[:2] == first.block_ids[:2]
+    while sched.has_work():
+        run_step(sched)
+    assert sched.blocks.prefix_hits == 16 + 8 and sched.blocks.num_free_blocks == 64
+
+
+def test_without_prefix_caching_or_for_a_scored_prompt_nothing_waits():
+    for sched, params in ((make_scheduler(block_size=4, prefix_caching=False), {}),
+                          (make_scheduler(block_size=4), {"prompt_logprobs": 1})):
+        prompt = list(range(1, 19))
+        a, b = make_request(prompt=prompt, **params), make_request(prompt=prompt, **params)
+        sched.add(a)
+        sched.add(b)
+        plan, _ = run_step(sched)
+        assert [c.request for c in plan.chunks] == [a, b]
