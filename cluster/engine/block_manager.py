@@ -167,6 +167,13 @@ class BlockManager:
                 hashes.append(h)
         return hashes
 
+    def uncache(self, hashes: list[bytes]) -> None:
+        """Forget the free cached blocks with these hashes (throwaway prompts)."""
+        for h in hashes:
+            block = self.cached.get(h)
+            if block is not None and self.ref_counts[block] == 0:
+                self._forget(block)
+
     def reset_prefix_cache(self) -> None:
         for block in list(self.block_hash):
             if self.ref_counts[block] == 0:

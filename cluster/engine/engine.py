@@ -23,6 +23,7 @@ from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.json_mode import JsonConstraint, JsonRecognizer
 from cluster.engine.model_runner import ModelRunner
 from cluster.engine.scheduler import Scheduler
+from cluster.engine.step_cost import StepCost
 from cluster.engine.regex import regex_recognizer
 from cluster.engine.schema_compiler import schema_recognizer
 from cluster.engine.tokenizer import Tokenizer
@@ -50,6 +51,7 @@ class LLMEngine:
         self.max_model_len = min(limit, self.num_blocks * bs)
         self.blocks = BlockManager(self.num_blocks, bs, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.blocks)
+        self.step_cost = StepCost()  # seconds per token in a step, from this engine's own steps
         self.eos_token_ids = self.tokenizer.eos_token_ids
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._logprobs: dict[str, list[TokenLogprobs]] = {}
@@ -80,6 +82,30 @@ class LLMEngine:
         self._forget(request_id)
         return req is not None
 
+    def calibrate(self, tokens: int = 64) -> float | None:
+        """Time steps of 1 and of `tokens` prompt tokens, so `step_cost` knows what a token costs
+        before the first request (a warm-up round first, not counted). Call it on an idle
+        engine: it leaves the counters, the prefix-cache figures and the cache as they were (the
+        throwaway prompts carry salts of their own, and their blocks are uncached after)."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("calibrate() needs an idle engine")
+        saved = Counter(self.counters), self.blocks.prefix_queries, self.blocks.prefix_hits
+        sizes = (1, max(2, min(tokens, self.config.scheduler.max_num_batched_tokens, self.max_model_len - 1)))
+        for round_ in range(3):
+            if round_ == 1:
+                self.step_cost = StepCost()  # the warm-up round paid first-call costs
+            for n in sizes:
+                rid = f"calibrate-{round_}-{n}"
+                prompt = [(i * 31 + 7) % self.arch.vocab_size for i in range(n)]
+                req = self.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=1,
+                                                                   ignore_eos=True, cache_salt=rid))
+                while self.has_unfinished_requests():
+                    self.step()
+                self.blocks.uncache(req.block_hashes)
+        self.counters = saved[0]
+        self.blocks.prefix_queries, self.blocks.prefix_hits = saved[1:]
+        return self.step_cost.per_token_s
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
 
@@ -88,7 +114,9 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
+        started = time.perf_counter()
         result = self.runner.execute(plan, self.eos_token_ids)
+        self.step_cost.observe(plan.num_tokens, time.perf_counter() - started)
         for chunk in plan.chunks:
             chunk.request.prompt_logprobs.extend(result.prompt_logprobs.get(chunk.request.request_id, ()))
         self.scheduler.update(plan, result.sampled)
@@ -281,5 +309,6 @@ class LLMEngine:
             "prefix_cache_queries": self.blocks.prefix_queries,
             "prefix_cache_hits": self.blocks.prefix_hits,
             "num_preemptions": self.scheduler.num_preemptions,
+            "step_s_per_token": self.step_cost.per_token_s,
             **self.counters,
         }

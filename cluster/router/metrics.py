@@ -44,6 +44,8 @@ GAUGES: dict[str, tuple[str, Stat]] = {
     "tandem:prefill_queue_tokens": ("Prompt tokens queued or being prefilled on a prefill replica.",
                                     _key("queued_prompt_tokens")),
     "tandem:kv_leases_held": ("Prefilled requests whose blocks wait for decode's ack.", _key("leases")),
+    "tandem:step_seconds_per_token": ("What one more token adds to an engine step, fitted over its recent steps "
+                                      "(engine/step_cost.py).", _key("step_s_per_token")),
     "tandem:requests_in_flight": ("Requests a router replica is serving.", _key("active")),
 }
 COUNTERS: dict[str, tuple[str, Stat]] = {
@@ -73,7 +75,8 @@ LABELED: dict[str, tuple[str, re.Pattern[str], tuple[str, ...]]] = {
     "tandem:kv_transfer_failures": ("KV transfers refused or failed, by stage and kind.",
                                     re.compile(r"^kv_(send|receive|refused)_(\w+)$"), ("stage", "kind")),
     "tandem:local_prefills": ("Disaggregated prompts a decode replica prefilled itself, by reason "
-                              "(short: within max_local_prefill_tokens; no_room: no blocks to receive).",
+                              "(short: within max_local_prefill_tokens; budget: within local_prefill_budget_ms; "
+                              "no_room: no blocks to receive).",
                               re.compile(r"^prefilled_locally_(\w+)$"), ("reason",)),
     "tandem:requests_rejected": ("Requests refused before admission, by code.", re.compile(r"^rejected_(\w+)$"),
                                  ("code",)),

@@ -1,6 +1,7 @@
-"""Conditional disaggregation (`max_local_prefill_tokens`) on real engines in one process: a prompt
-with few tokens its decode replica's prefix cache does not hold is prefilled on that replica;
-any other goes through the prefill pool; both give the tokens colocated serving gives, and every
+"""Conditional disaggregation (`max_local_prefill_tokens`, `local_prefill_budget_ms`) on real
+engines in one process: a prompt with few tokens its decode replica's prefix cache does not hold
+(few by count, or by what computing them would add to a step) is prefilled on that replica; any
+other goes through the prefill pool; both give the tokens colocated serving gives, and every
 block is back when they are done."""
 
 from __future__ import annotations
@@ -19,6 +20,26 @@ def pools(tiny_model_paths):
     with serving_stack(str(tiny_model_paths["llama"]), {"num_blocks": 64, "max_num_seqs": 8},
                        app={"max_local_prefill_tokens": LIMIT}) as s:
         yield s
+
+
+@pytest.fixture(scope="module")
+def budget_pools(tiny_model_paths):
+    with serving_stack(str(tiny_model_paths["llama"]), {"num_blocks": 64, "max_num_seqs": 8},
+                       app={"local_prefill_budget_ms": 30}) as s:
+        yield s
+
+
+class FixedCost:
+    """A step-cost fit that stays where a test puts it (the real one follows the engine's steps)."""
+
+    def __init__(self, per_token_s: float | None) -> None:
+        self.per_token_s = per_token_s
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        pass
+
+    def extra_seconds(self, num_tokens: int) -> float | None:
+        return None if self.per_token_s is None else self.per_token_s * num_tokens
 
 
 def generate(pools, rid: str, prompt: list[int], disaggregated: bool = True,
@@ -68,3 +89,65 @@ def test_the_threshold_is_validated_with_the_app_config():
     for bad in (-1, True, 1.5, "8"):
         with pytest.raises(ValueError, match="max_local_prefill_tokens must be an integer >= 0"):
             AppConfig.from_args({"max_local_prefill_tokens": bad})
+
+
+def test_with_a_time_budget_a_prompt_is_prefilled_here_when_its_uncached_tokens_fit_in_it(budget_pools):
+    decode = budget_pools["decode"]
+    engine = decode.engine.engine
+    real_fit = engine.step_cost
+    long_prompt = [(11 * i) % 500 + 3 for i in range(60)]
+    cases = [("short", [5, 17, 29, 41, 53, 65, 77, 89, 101, 113], "budget: prefilled here (10 uncached tokens, ~10 ms)"),
+             ("long", long_prompt, "landed"),  # 60 tokens: ~60 ms > 30
+             ("next-turn", long_prompt + [201, 202, 203, 204, 205, 206, 207, 208, 209, 210],
+              "budget: prefilled here (22 uncached tokens, ~22 ms)")]  # 48 of its 70 cached here
+    sent = budget_pools["prefill"].worker.counters
+    try:
+        engine.step_cost = FixedCost(0.001)  # 1 ms a token
+        for name, prompt, kv in cases:
+            before = sent["acked"]
+            tokens, trace = generate(budget_pools, name, prompt)
+            assert trace["kv"] == kv, name
+            assert sent["acked"] - before == (kv == "landed"), name
+            assert tokens == generate(budget_pools, f"{name}-colocated", prompt, disaggregated=False)[0], name
+        engine.step_cost = FixedCost(0.004)  # a slower host: a next turn as long (22 tokens, ~88 ms) is sent
+        _, trace = generate(budget_pools, "next-turn-slow", long_prompt + list(range(301, 311)))
+        assert trace["kv"] == "landed"
+        engine.step_cost = FixedCost(None)  # cost unknown: nothing is prefilled here on a guess
+        _, trace = generate(budget_pools, "short-unknown", [9, 8, 7])
+        assert trace["kv"] == "landed"
+    finally:
+        engine.step_cost = real_fit
+    stats = run(decode.stats())
+    assert stats["prefilled_locally_budget"] == 2 and "prefilled_locally_short" not in stats
+    assert stats["blocks_in_use"] == 0
+
+
+def test_a_decode_replica_with_a_budget_measures_its_steps_before_its_first_request(tiny_model_paths):
+    """Calibration at start: the fit knows a cost per token, and nothing a user could see moved
+    (no prompt tokens or prefix-cache figures counted, no throwaway blocks left in the cache)."""
+    from cluster.config import AppConfig
+    from cluster.decode.server import DecodeServer
+
+    args = {"model": str(tiny_model_paths["llama"]), "engine": {"num_blocks": 64},
+            "kv_transfer": {"connector": "tcp"}, "local_prefill_budget_ms": 30}
+    server = DecodeServer(AppConfig.from_args(args))
+    try:
+        engine = server.engine.engine
+        assert engine.step_cost.per_token_s > 0 and engine.step_cost.steps == 4
+        stats = run(server.stats())
+        assert stats["step_s_per_token"] == engine.step_cost.per_token_s
+        assert stats.get("prompt_tokens", 0) == 0 and not any(k.startswith("finished_") for k in stats)
+        assert stats["prefix_cache_queries"] == 0 and stats["blocks_in_use"] == 0
+        assert not engine.blocks.cached and engine.blocks.num_free_blocks == 64
+        assert not engine.scheduler.requests
+    finally:
+        server.close()
+
+
+def test_the_budget_is_validated_with_the_app_config():
+    from cluster.config import AppConfig
+
+    assert AppConfig.from_args({"local_prefill_budget_ms": 25}).local_prefill_budget_ms == 25
+    for bad in (-1, True, "8", float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="local_prefill_budget_ms must be a number >= 0"):
+            AppConfig.from_args({"local_prefill_budget_ms": bad})

@@ -1,0 +1,64 @@
+"""What one more token in a step costs this engine, measured from its own steps.
+
+Every step's wall time is a fixed part (weights streamed once, launch overheads) plus a part
+per token computed (a matmul row each, its attention). `StepCost` fits
+
+    step_seconds ≈ fixed + per_token * tokens_in_step
+
+by least squares over recent steps, each older step weighing `DECAY` times the one after it
+(~1/(1-DECAY) steps of memory), so the fit follows a host that speeds up or slows down. The
+decode replica asks it what prefilling `n` prompt tokens here would add to its running
+streams' next step: `extra_seconds(n) = per_token * n` (conditional disaggregation by time,
+`local_prefill_budget_ms`).
+
+Steps that all computed the same number of tokens (a single stream: 1 each) say nothing about
+the split between the two parts; until the window holds steps of at least two sizes the slope
+is unknown and `per_token_s` is None. `LLMEngine.calibrate` runs two steps of different sizes
+so a new replica knows its slope before its first request.
+"""
+
+from __future__ import annotations
+
+DECAY = 0.99
+MIN_WEIGHT = 1.9  # observations (decayed: two make 1.99) before anything is said
+MIN_SPREAD = 0.25  # weighted variance of tokens-per-step below which the slope is unknown
+
+
+class StepCost:
+    def __init__(self, decay: float = DECAY) -> None:
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"decay must be in (0, 1), got {decay}")
+        self.decay = decay
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self.per_token_s: float | None = None  # the fitted slope; None: not known yet
+        self.steps = 0
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """One step that computed `num_tokens` tokens in `seconds` (engine thread)."""
+        if num_tokens <= 0 or seconds < 0:
+            return
+        d, x, y = self.decay, float(num_tokens), float(seconds)
+        self._w = self._w * d + 1.0
+        self._x = self._x * d + x
+        self._y = self._y * d + y
+        self._xx = self._xx * d + x * x
+        self._xy = self._xy * d + x * y
+        self.steps += 1
+        self.per_token_s = self._slope()  # one assignment: readers on other threads see old or new
+
+    def _slope(self) -> float | None:
+        if self._w < MIN_WEIGHT:
+            return None
+        mean_x, mean_y = self._x / self._w, self._y / self._w
+        var_x = self._xx / self._w - mean_x * mean_x
+        if var_x < MIN_SPREAD:
+            return None
+        slope = (self._xy / self._w - mean_x * mean_y) / var_x
+        # noise can tilt a fit over a narrow spread below zero; a token never costs nothing, and
+        # the average cost per token (fixed part included) is an upper bound to fall back on
+        return slope if slope > 0 else mean_y / mean_x
+
+    def extra_seconds(self, num_tokens: int) -> float | None:
+        """What `num_tokens` more tokens would add to a step; None while the slope is unknown."""
+        per_token = self.per_token_s
+        return None if per_token is None else per_token * num_tokens

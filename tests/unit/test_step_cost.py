@@ -1,0 +1,58 @@
+"""The step-cost fit (engine/step_cost.py): what one more token adds to a step, from step times."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cluster.engine.step_cost import StepCost
+
+
+def test_the_slope_of_noisy_steps_is_found_and_the_fixed_part_left_out():
+    rng = random.Random(0)
+    fit = StepCost()
+    for _ in range(300):  # 20 ms a step + 1.5 ms a token, ±10% noise, batches of 1-16 and chunks of 64
+        n = rng.choice([1, 2, 4, 8, 16, 64])
+        fit.observe(n, (0.020 + 0.0015 * n) * rng.uniform(0.9, 1.1))
+    assert fit.per_token_s == pytest.approx(0.0015, rel=0.1)
+    assert fit.extra_seconds(40) == pytest.approx(0.060, rel=0.1)  # not 40 x the average step per token
+
+
+def test_steps_of_one_size_say_nothing_about_a_token_until_another_size_comes():
+    fit = StepCost()
+    assert fit.extra_seconds(10) is None
+    for _ in range(50):
+        fit.observe(1, 0.022)  # a single stream: every step is one token
+    assert fit.per_token_s is None and fit.extra_seconds(10) is None
+    fit.observe(65, 0.022 + 64 * 0.001)
+    assert fit.per_token_s == pytest.approx(0.001, rel=1e-6)
+
+
+def test_the_fit_follows_a_host_that_slows_down():
+    fit = StepCost()
+    for i in range(200):
+        n = 1 + i % 16
+        fit.observe(n, 0.02 + 0.001 * n)
+    assert fit.per_token_s == pytest.approx(0.001, rel=1e-6)
+    for i in range(600):  # ~1/(1-0.99) steps of memory: the old host's steps fade out
+        n = 1 + i % 16
+        fit.observe(n, 0.04 + 0.002 * n)
+    assert fit.per_token_s == pytest.approx(0.002, rel=0.02)
+
+
+def test_a_slope_tilted_below_zero_by_noise_falls_back_to_the_average_cost_per_token():
+    fit = StepCost()
+    fit.observe(1, 0.030)
+    fit.observe(3, 0.020)  # three tokens faster than one: noise
+    assert fit.per_token_s == pytest.approx(0.050 / 4, rel=0.01)
+
+
+def test_empty_and_negative_observations_are_ignored_and_the_decay_is_checked():
+    fit = StepCost()
+    fit.observe(0, 0.01)
+    fit.observe(4, -1.0)
+    assert fit.steps == 0
+    for bad in (0.0, 1.0, 1.5):
+        with pytest.raises(ValueError, match="decay"):
+            StepCost(bad)
