@@ -302,19 +302,27 @@ def seeded(c, model: str) -> list[str]:
 
 
 def test_greedy_identical_colocated_and_every_connector(serve_url):
-    """And sampled with a seed: a seed gives the same replies wherever the first token is drawn."""
-    outputs, sampled, landed = {}, {}, {}
-    for name in ("colocated.yaml", "serve-tcp.yaml", "serve-shared-store.yaml", "serve-collective.yaml"):
-        deploy(args_of(name))
+    """And sampled with a seed: a seed gives the same replies wherever the first token is drawn.
+    Also with conditional disaggregation by time: a budget that takes these short prompts has
+    the decode replica prefill them, the same replies, nothing crossing a connector."""
+    outputs, sampled, landed, metrics = {}, {}, {}, {}
+    budget = "serve.yaml, local_prefill_budget_ms"
+    for name in ("colocated.yaml", budget, "serve-tcp.yaml", "serve-shared-store.yaml", "serve-collective.yaml"):
+        deploy({**args_of("serve.yaml"), "local_prefill_budget_ms": 5000} if name == budget else args_of(name))
         c = client(serve_url)
         outputs[name] = greedy(c, c.models.list().data[0].id)
         sampled[name] = seeded(c, c.models.list().data[0].id)
         landed[name] = sum(s.get("kv_landed", 0) for s in replica_stats(serve_url, settle_s=1.5))
-    for name in ("serve-tcp.yaml", "serve-shared-store.yaml", "serve-collective.yaml"):
+        metrics[name] = scrape(serve_url)
+    for name in (budget, "serve-tcp.yaml", "serve-shared-store.yaml", "serve-collective.yaml"):
         assert outputs[name] == outputs["colocated.yaml"], name
         assert sampled[name] == sampled["colocated.yaml"], name
-        assert landed[name] == len(PROMPTS) + 2, name  # each prompt's KV crossed this connector
+        assert landed[name] == (0 if name == budget else len(PROMPTS) + 2), name  # each prompt's KV crossed
     assert "Paris" in outputs["colocated.yaml"][0]
+    # the decode replica timed its steps at start, and the budget is what kept every prompt there
+    assert total(metrics[budget], "tandem:step_seconds_per_token", pool="decode") > 0
+    assert total(metrics[budget], "tandem:local_prefills_total", pool="decode", reason="budget") == len(PROMPTS) + 2
+    assert total(metrics[budget], "vllm:prompt_tokens_total", pool="prefill") == 0
 
 
 def plasma_in_use() -> tuple[int, int]:
