@@ -129,7 +129,7 @@ class DecodeServer:
         uncached = len(prompt)  # a prompt to score is computed whole, cache or not
         if params.prompt_logprobs is None:
             uncached -= self.engine.engine.blocks.cached_prefix_len(prompt, params.cache_salt)
-        if uncached <= limit and limit:
+        if limit and uncached <= limit:
             self.counters["prefilled_locally_short"] += 1
             trace["kv"] = f"short: prefilled here ({uncached} uncached tokens)"
             return True

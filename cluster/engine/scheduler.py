@@ -144,6 +144,8 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
+        if not self.waiting:  # most decode steps: nothing to admit, nothing to work out
+            return
         computing = self._being_computed()
         deferred = 0
         for req in sorted(self.waiting, key=_rank) if self.by_priority else list(self.waiting):

@@ -221,3 +221,21 @@ class SteadyStream:
             self.outcomes.append(outcome)
             if outcome[1] not in ("stop", "length") or not outcome[2]:
                 self.failures.append(f"{prompt!r}: {outcome[1]} {outcome[2]!r}")
+
+
+def scrape(url: str) -> dict[tuple, float]:
+    """/metrics parsed by prometheus_client: (sample name, sorted labels) → value."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        assert r.headers["Content-Type"].startswith("text/plain")
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def total(samples: dict[tuple, float], name: str, **match: str) -> float:
+    return sum(v for (n, labels), v in samples.items()
+               if n == name and all(dict(labels).get(k) == want for k, want in match.items()))

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from serving import (APP, apply_config, args_of, client, deploy, load_config, replica_stats, running_replicas,
-                     wait_for)
+                     scrape, total, wait_for)
 
 pytestmark = pytest.mark.slow
 
@@ -174,24 +174,6 @@ def test_32_concurrent_streams_then_no_blocks_in_use(serve_url):
         assert s["blocks_in_use"] == 0 and s["num_running"] == 0 and s["num_waiting"] == 0, s
     decode = next(s for s in stats if s["pool"] == "decode")
     assert decode["kv_landed"] >= 32  # every request's KV came over the connector
-
-
-def scrape(url: str) -> dict[tuple, float]:
-    """/metrics parsed by prometheus_client: (sample name, sorted labels) → value."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
-        assert r.headers["Content-Type"].startswith("text/plain")
-        text = r.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def total(samples: dict[tuple, float], name: str, **match: str) -> float:
-    return sum(v for (n, labels), v in samples.items()
-               if n == name and all(dict(labels).get(k) == want for k, want in match.items()))
 
 
 def test_metrics_aggregate_every_replica_of_both_pools(serve_url):
