@@ -95,12 +95,69 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
 
 
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config` names; engine/spec/).
+
+    method: "ngram" (prompt lookup), "suffix" (suffix decoding) or "draft_model" (a small model
+      of the same tokenizer, `model`; given `model` alone, the method is draft_model).
+    num_speculative_tokens: the most tokens drafted for one request in one step.
+    prompt_lookup_min / prompt_lookup_max: ngram: the shortest and longest suffix looked up.
+    model: draft_model: a local HF folder of the Llama family whose tokenizer is the target's.
+    adaptive: Tandem's: each step picks each request's draft length (0 included) to maximise
+      expected accepted tokens per second of step time, from the request's measured acceptance
+      and the engine's fitted step cost (engine/spec/policy.py); false: always
+      num_speculative_tokens where the proposer has them.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 5
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    model: str | None = None
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, 16], got {k!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi <= 64):
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max <= 64, got {lo!r} and {hi!r}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("method 'draft_model' needs `model` (a local HF folder), and only it takes one")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"adaptive must be true or false, got {self.adaptive!r}")
+
+    @classmethod
+    def from_dict(cls, value: SpeculativeConfig | dict[str, Any] | None) -> SpeculativeConfig | None:
+        """vLLM's dict form; unknown keys are refused by name."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a mapping, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative_config key(s) {unknown}; known: {sorted(known)}")
+        args = dict(value)
+        if "method" not in args and args.get("model") is not None:
+            args["method"] = "draft_model"
+        return cls(**args)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
+    speculative: SpeculativeConfig | None = None
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> EngineConfig:
@@ -115,15 +172,18 @@ class EngineConfig:
             for f in fields(klass)
         }
         seed = kwargs.pop("seed", 0)
+        speculative = SpeculativeConfig.from_dict(kwargs.pop("speculative_config", None))
         for key, value in kwargs.items():
             if key not in owners:
-                raise TypeError(f"unknown engine argument {key!r}; known: {sorted(owners)} and 'seed'")
+                raise TypeError(f"unknown engine argument {key!r}; known: {sorted(owners)}, 'seed' "
+                                "and 'speculative_config'")
             parts[owners[key]][key] = value
         return cls(
             model=ModelConfig(**parts["model"]),
             cache=CacheConfig(**parts["cache"]),
             scheduler=SchedulerConfig(**parts["scheduler"]),
             seed=seed,
+            speculative=speculative,
         )
 
 

@@ -66,6 +66,8 @@ class Request:
     num_preemptions: int = 0
     constraint: JsonConstraint | None = None  # JSON mode: the sampler keeps the output valid JSON
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens 1.. so far
+    num_draft_tokens: int = 0  # speculative decoding: tokens drafted for this request here
+    num_accepted_tokens: int = 0  # ... and of them accepted
 
     def __post_init__(self) -> None:
         if self.ready_at < 0:

@@ -139,6 +139,18 @@ class BlockManager:
                 self.free_queue[block] = None
         req.block_ids = []
 
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Free the request's blocks past those holding its first `num_tokens` tokens (the
+        blocks a step reserved for drafts that were rejected). They were never published to the
+        prefix cache, so they go to the front of the free queue, reused before cached ones."""
+        keep = self.blocks_needed(num_tokens)
+        for block in reversed(req.block_ids[keep:]):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_queue[block] = None
+                self.free_queue.move_to_end(block, last=False)
+        del req.block_ids[keep:]
+
     def cache_full_blocks(self, req: Request) -> None:
         """Publish the request's newly computed full blocks for prefix reuse."""
         if not self.enable_prefix_caching:

@@ -23,6 +23,8 @@ from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.json_mode import JsonConstraint, JsonRecognizer
 from cluster.engine.model_runner import ModelRunner
 from cluster.engine.scheduler import Scheduler
+from cluster.engine.spec.registry import create_proposer
+from cluster.engine.spec.speculator import Speculator
 from cluster.engine.step_cost import StepCost
 from cluster.engine.regex import regex_recognizer
 from cluster.engine.schema_compiler import schema_recognizer
@@ -52,6 +54,7 @@ class LLMEngine:
         self.blocks = BlockManager(self.num_blocks, bs, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.blocks)
         self.step_cost = StepCost()  # seconds per token in a step, from this engine's own steps
+        self.speculator = self._speculator(config)
         self.eos_token_ids = self.tokenizer.eos_token_ids
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._logprobs: dict[str, list[TokenLogprobs]] = {}
@@ -114,26 +117,38 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
+        if self.speculator is not None:
+            plan = self.speculator.draft(plan)
         started = time.perf_counter()
         result = self.runner.execute(plan, self.eos_token_ids)
         self.step_cost.observe(plan.num_tokens, time.perf_counter() - started)
         for chunk in plan.chunks:
             chunk.request.prompt_logprobs.extend(result.prompt_logprobs.get(chunk.request.request_id, ()))
+        known = {c.request.request_id: c.request.num_tokens for c in plan.chunks}
         self.scheduler.update(plan, result.sampled)
+        if self.speculator is not None:
+            self.speculator.observe(plan, result.sampled)
         outputs = []
         for chunk in plan.chunks:
             req = chunk.request
-            token = result.sampled.get(req.request_id)
-            if token is None or req.status == RequestStatus.FINISHED_ABORTED:
+            if req.request_id not in result.sampled or req.status == RequestStatus.FINISHED_ABORTED:
                 continue
-            if req.request_id in result.logprobs:
-                self._logprobs[req.request_id].append(TokenLogprobs(*result.logprobs[req.request_id]))
-            outputs.append(self._emit(req, [token]))
+            new_tokens = req.token_ids[known[req.request_id]:]  # a stop may have cut the step's tokens
+            lps = result.logprobs.get(req.request_id)
+            if lps is not None:
+                self._logprobs[req.request_id].extend(TokenLogprobs(*lp) for lp in lps[:len(new_tokens)])
+            outputs.append(self._emit(req, new_tokens))
         return outputs
 
     def _emit(self, req: Request, new_tokens: list[int]) -> RequestOutput:
         detok = self._detok[req.request_id]
-        stop = detok.add_tokens(new_tokens)
+        stop = None
+        for i, token in enumerate(new_tokens):  # a stop string ends the reply at its token
+            stop = detok.add_tokens([token])
+            if stop is not None:
+                self._cut(req, len(new_tokens) - i - 1)
+                new_tokens = new_tokens[:i + 1]
+                break
         if stop is not None and not req.is_finished:
             req.stop_reason = stop
             self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
@@ -159,8 +174,19 @@ class LLMEngine:
             if out.finish_reason is not None:
                 self.counters[f"finished_{out.finish_reason}"] += 1
         if req.is_finished and req.status != RequestStatus.FINISHED_PREFILLED:
+            if self.speculator is not None and out.finish_reason in ("stop", "length"):
+                self.speculator.finish(req)
             self._forget(req.request_id)
         return result
+
+    def _cut(self, req: Request, num_tokens: int) -> None:
+        """Drop the last `num_tokens` tokens of a reply a stop string ended before them (tokens
+        a step appended after the one that completed it: accepted drafts)."""
+        if num_tokens <= 0:
+            return
+        del req.token_ids[-num_tokens:]
+        del self._logprobs[req.request_id][len(req.output_token_ids):]
+        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
 
     # -- seam (a): prefill-only hand-off --------------------------------------------
     def take_prefilled(self, request_id: str) -> PrefillResult:
@@ -243,6 +269,13 @@ class LLMEngine:
         return self._emit(req, [first_token])
 
     # -- helpers -------------------------------------------------------------------
+    def _speculator(self, config: EngineConfig) -> Speculator | None:
+        if config.speculative is None:
+            return None
+        proposer = create_proposer(config.speculative, self)
+        return Speculator(config.speculative, proposer, self.blocks, self.step_cost,
+                          config.scheduler.max_num_batched_tokens)
+
     def _new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                      prefill_only: bool) -> Request:
         req = Request(request_id, prompt_ids, params, self.max_model_len, self.eos_token_ids, prefill_only)
@@ -283,6 +316,8 @@ class LLMEngine:
         self._scores.pop(request_id, None)
         self._prompts.pop(request_id, None)
         self.runner.forget(request_id)
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
 
     def _validate_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -311,4 +346,5 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "step_s_per_token": self.step_cost.per_token_s,
             **self.counters,
+            **(self.speculator.stats() if self.speculator is not None else {}),
         }

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from cluster.config import CacheConfig, ModelConfig
 from cluster.engine.cuda_graphs import DecodeGraphs
+from cluster.engine.json_mode import JsonConstraint
 from cluster.engine.kv_cache import allocate_kv_cache
 from cluster.engine.sampler import Logprob, sample, score_tokens
 from cluster.engine.scheduler import ScheduledChunk, StepPlan
@@ -33,10 +36,36 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+class _Row(NamedTuple):
+    """One sampled position: a request's next token, or (speculating) one of its draft positions."""
+
+    request: Request
+    output_ids: list[int]  # the output before this position (drafts before it included)
+    constraint: JsonConstraint | None  # at this position (a copy advanced over the drafts)
+    draft: int | None  # the draft token the next row's position holds; None on a run's last row
+
+
+def _rows(c: ScheduledChunk) -> list[_Row]:
+    req = c.request
+    if not c.num_drafts:
+        return [_Row(req, req.output_token_ids, req.constraint, None)]
+    out, drafts = req.output_token_ids, list(c.draft_token_ids)
+    rows = []
+    for j in range(len(drafts) + 1):
+        constraint = req.constraint
+        if constraint is not None and j:
+            constraint = copy.copy(constraint)  # the request's own stays where its output is
+            constraint.sync(out)
+            constraint.sync(out + drafts[:j])
+        rows.append(_Row(req, out + drafts[:j], constraint, drafts[j] if j < len(drafts) else None))
+    return rows
+
+
 @dataclass
 class StepResult:
-    sampled: dict[str, int]
-    logprobs: dict[str, tuple[Logprob, list[Logprob], int]]
+    # per request that sampled: its new tokens (with drafts: the accepted ones, then one more)
+    sampled: dict[str, list[int]]
+    logprobs: dict[str, list[tuple[Logprob, list[Logprob], int]]]  # one per new token
     # per request asking for prompt logprobs: the entries that continue its `prompt_logprobs`
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
@@ -84,18 +113,31 @@ class ModelRunner:
         if not samplers:
             return StepResult({}, {}, prompt_lps)
         logits = self.model.logits(hidden)
-        reqs = [c.request for c in samplers]
+        rows = [row for c in samplers for row in _rows(c)]
         result = sample(
             logits,
-            [r.params for r in reqs],
-            [self._generator(r, logits) for r in reqs],
-            [r.prompt_token_ids for r in reqs],
-            [r.output_token_ids for r in reqs],
+            [r.request.params for r in rows],
+            [self._generator(r.request, logits) for r in rows],
+            [r.request.prompt_token_ids for r in rows],
+            [r.output_ids for r in rows],
             eos_token_ids,
-            [r.constraint for r in reqs],
+            [r.constraint for r in rows],
+            [r.draft for r in rows],
         )
-        sampled = {r.request_id: t for r, t in zip(reqs, result.token_ids)}
-        logprobs = {r.request_id: lp for r, lp in zip(reqs, result.logprobs) if lp is not None}
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, list[tuple[Logprob, list[Logprob], int]]] = {}
+        i = 0
+        for c in samplers:
+            rid = c.request.request_id
+            n = 1 + c.num_drafts
+            tokens = result.token_ids[i:i + n]
+            accepted = 0
+            while accepted < c.num_drafts and tokens[accepted] == c.draft_token_ids[accepted]:
+                accepted += 1
+            sampled[rid] = tokens[:accepted + 1]
+            if result.logprobs[i] is not None:
+                logprobs[rid] = result.logprobs[i:i + accepted + 1]  # type: ignore[assignment]
+            i += n
         return StepResult(sampled, logprobs, prompt_lps)
 
     def _prompt_logprobs(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> dict[str, list[TokenLogprobs]]:
@@ -144,7 +186,7 @@ class ModelRunner:
             req, end = c.request, c.start + c.num_tokens
             blocks = req.block_ids
             offset = len(ids)
-            ids.extend(req.token_ids[c.start:end])
+            ids.extend(c.token_ids)
             pos.extend(range(c.start, end))
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(c.start, end))
             if c.num_tokens == 1:
@@ -154,7 +196,7 @@ class ModelRunner:
                 table = torch.tensor(blocks[: -(-end // bs)], dtype=torch.int64, device=self.device)
                 prefills.append(PrefillChunk(offset, c.num_tokens, end, table))
             if c.samples:
-                sample_rows.append(len(ids) - 1)
+                sample_rows.extend(range(len(ids) - 1 - c.num_drafts, len(ids)))
         width = max((len(t) for t in dec_tables), default=0)
         tables = self._tensor([t + [0] * (width - len(t)) for t in dec_tables], torch.int32)
         lens = self._tensor(dec_lens, torch.int32)

@@ -28,8 +28,12 @@ class SampleResult(NamedTuple):
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            generators: Sequence[torch.Generator | None], prompt_ids: Sequence[Sequence[int]],
            output_ids: Sequence[Sequence[int]], eos_token_ids: Collection[int],
-           constraints: Sequence[JsonConstraint | None] | None = None) -> SampleResult:
+           constraints: Sequence[JsonConstraint | None] | None = None,
+           drafts: Sequence[int | None] | None = None) -> SampleResult:
     """Pick one token per row of `logits` [B, V] (float32; left unmodified).
+
+    `drafts` (speculative decoding; see `_choose_verifying`): per row, the draft token the next
+    row's position was computed with, or None where the next row starts another request.
 
     Order, as in vLLM v1: logprobs from the raw logits; allowed_token_ids and bad words mask the
     rest and the banned; min_tokens masks EOS and stop_token_ids;
@@ -47,6 +51,8 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     penalty_rows = [i for i, p in enumerate(params) if p.needs_penalties]
     json_rows = {i: c for i, c in enumerate(constraints or ()) if c is not None}
     restricted = [i for i, p in enumerate(params) if p.allowed_token_ids is not None or p.bad_words_token_ids]
+    if drafts is not None and not any(d is not None for d in drafts):
+        drafts = None
     if (not (logprob_rows or blocked[0] or biased[0] or penalty_rows or json_rows or restricted)
             and all(p.greedy for p in params)):
         return SampleResult(logits.argmax(dim=-1).tolist(), [None] * num_rows)
@@ -63,8 +69,8 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         _apply_penalties(logits, penalty_rows, params, prompt_ids, output_ids)
     if json_rows:
         _apply_constraints(logits, json_rows, output_ids, params)
-    tokens = _choose(logits, params, generators)
-    logprobs = _collect_logprobs(raw_logprobs, logprob_rows, tokens, params)
+    tokens = _choose(logits, params, generators) if drafts is None else _choose_verifying(logits, params, generators, drafts)
+    logprobs = _collect_logprobs(raw_logprobs, logprob_rows, tokens.clamp(min=0), params)  # dead rows: -1
     return SampleResult(tokens.tolist(), logprobs)
 
 
@@ -244,9 +250,45 @@ def _choose(logits: torch.Tensor, params: Sequence[SamplingParams],
     return tokens
 
 
-def _sample_random(logits: torch.Tensor, params: Sequence[SamplingParams],
-                   generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-    """Temperature and filters in place on `logits` [R, V], then the exponential race."""
+def _choose_verifying(logits: torch.Tensor, params: Sequence[SamplingParams],
+                      generators: Sequence[torch.Generator | None], drafts: Sequence[int | None]) -> torch.Tensor:
+    """Speculative verification: rows come in runs, one run per request, each row's position
+    computed with the draft token of the row before (`drafts[i]`: the token row i + 1 follows).
+    Each row samples from the target's distribution at its position, exactly as without drafts;
+    a draft is accepted when the row before it sampled that very token, and the rows after the
+    first rejection are dead (token -1, no random draw).
+
+    For a draft that is a point mass at x (every proposer's), this is Leviathan et al.'s
+    rejection sampling: x is accepted with probability p(x) = min(1, p(x)/q(x)), and on rejection
+    the token is distributed as p without x, renormalized: norm(max(0, p - q)). So the output is
+    distributed as the target's under every sampling option, and a seeded request makes one
+    draw per emitted token, in order: its tokens are those it gets without speculation."""
+    tokens = logits.argmax(dim=-1)  # greedy rows (dead ones too: harmless, never accepted)
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not random_rows:
+        return tokens
+    filtered = logits[_index(random_rows, logits)]
+    _filter_random(filtered, [params[i] for i in random_rows])
+    where = {row: j for j, row in enumerate(random_rows)}
+    alive = True
+    for i in range(len(params)):
+        if i and drafts[i - 1] is not None:
+            alive = alive and int(tokens[i - 1]) == drafts[i - 1]
+        else:
+            alive = True  # a run starts
+        j = where.get(i)
+        if j is None:
+            continue
+        if not alive:
+            tokens[i] = -1
+            continue
+        noise = torch.empty(logits.shape[1], dtype=logits.dtype, device=logits.device).uniform_(generator=generators[i])
+        tokens[i] = (filtered[j] - noise.log_().neg_().log_()).argmax()
+    return tokens
+
+
+def _filter_random(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """Temperature, top-k, top-p and min-p in place on `logits` [R, V]."""
     logits.div_(_column([p.temperature for p in params], logits))
     if any(p.top_k > 0 for p in params):
         _apply_top_k(logits, [p.top_k for p in params])
@@ -254,6 +296,12 @@ def _sample_random(logits: torch.Tensor, params: Sequence[SamplingParams],
         _apply_top_p(logits, _column([p.top_p for p in params], logits))
     if any(p.min_p > 0.0 for p in params):
         _apply_min_p(logits, _column([p.min_p for p in params], logits))
+
+
+def _sample_random(logits: torch.Tensor, params: Sequence[SamplingParams],
+                   generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """Temperature and filters in place on `logits` [R, V], then the exponential race."""
+    _filter_random(logits, params)
     # the exponential race: argmax(probs / q) with q ~ Exp(1) samples from probs
     return logits.sub_(_log_exponential(logits, generators)).argmax(dim=-1)
 

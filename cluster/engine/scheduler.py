@@ -35,16 +35,34 @@ MAX_DEFERRED = 64  # waiting requests passed over in one step while their shared
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """Tokens token_ids[start:start+num_tokens] of `request` run this step."""
+    """Tokens token_ids[start:start+num_tokens] of `request` run this step. A decoding request
+    may carry draft tokens (speculative decoding): they follow its last token, at positions
+    num_tokens .. num_tokens + len(drafts) - 1, and count in `num_tokens`; every position of the
+    chunk is sampled, and the drafts are verified against those samples.
+
+        token_ids  | ... t(n-1) |                 num_tokens = 1 + 3
+        chunk      |   t(n-1)   | d0 | d1 | d2 |   sampled: 4 rows
+    """
 
     request: Request
     start: int
     num_tokens: int
+    draft_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_drafts(self) -> int:
+        return len(self.draft_token_ids)
 
     @property
     def samples(self) -> bool:
         """The chunk reaches the end of the known tokens, so its last position is sampled."""
-        return self.start + self.num_tokens == self.request.num_tokens
+        return self.start + self.num_tokens - len(self.draft_token_ids) == self.request.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens this chunk computes, drafts included."""
+        known = self.request.token_ids[self.start:self.start + self.num_tokens - len(self.draft_token_ids)]
+        return known + list(self.draft_token_ids)
 
 
 @dataclass
@@ -187,20 +205,31 @@ class Scheduler:
         shareable = (req.num_tokens - 1) // self.blocks.block_size
         return num_cached < min(shareable, len(req.block_hashes)) and req.block_hashes[num_cached] in computing
 
-    def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
-        """Apply a step's results; returns the requests that finished (token-level stops)."""
+    def update(self, plan: StepPlan, sampled: dict[str, list[int]]) -> list[Request]:
+        """Apply a step's results: per request that sampled, its new tokens (one; with drafts,
+        the accepted drafts and the token after them). Tokens after a stop are dropped; blocks
+        reserved for rejected drafts go back to the free list. Returns the requests that
+        finished (token-level stops)."""
         finished = []
         for chunk in plan.chunks:
             req = chunk.request
             if req.is_finished:  # aborted while the step ran
                 continue
-            req.num_computed_tokens = chunk.start + chunk.num_tokens
+            tokens = sampled.get(req.request_id, ())
+            # KV is valid for the chunk's known tokens and the drafts accepted (all but the last token)
+            computed = chunk.start + chunk.num_tokens - chunk.num_drafts + max(len(tokens) - 1, 0)
+            status = None
+            for token in tokens:
+                req.append_token(token)
+                status = req.check_token_stop()
+                if status is not None:
+                    break
+            req.num_computed_tokens = min(computed, req.num_tokens - 1) if tokens else computed
             self.blocks.cache_full_blocks(req)
-            token = sampled.get(req.request_id)
-            if token is None:
+            if chunk.num_drafts:
+                self.blocks.trim(req, req.num_computed_tokens)
+            if not tokens:
                 continue
-            req.append_token(token)
-            status = req.check_token_stop()
             if status is None and req.prefill_only:
                 status = RequestStatus.FINISHED_PREFILLED
             if status is not None:

@@ -31,6 +31,7 @@ class StepCost:
         self.decay = decay
         self._w = self._x = self._y = self._xx = self._xy = 0.0
         self.per_token_s: float | None = None  # the fitted slope; None: not known yet
+        self.fixed_s: float | None = None  # the fitted intercept, known with the slope
         self.steps = 0
 
     def observe(self, num_tokens: int, seconds: float) -> None:
@@ -44,9 +45,14 @@ class StepCost:
         self._xx = self._xx * d + x * x
         self._xy = self._xy * d + x * y
         self.steps += 1
-        self.per_token_s = self._slope()  # one assignment: readers on other threads see old or new
+        fit = self._fit()
+        if fit is None:
+            self.per_token_s = None  # one assignment: readers on other threads see old or new
+        else:
+            self.fixed_s, self.per_token_s = fit
 
-    def _slope(self) -> float | None:
+    def _fit(self) -> tuple[float, float] | None:
+        """(fixed, per_token), or None while the window cannot tell them apart."""
         if self._w < MIN_WEIGHT:
             return None
         mean_x, mean_y = self._x / self._w, self._y / self._w
@@ -54,9 +60,11 @@ class StepCost:
         if var_x < MIN_SPREAD:
             return None
         slope = (self._xy / self._w - mean_x * mean_y) / var_x
+        if slope > 0:
+            return max(mean_y - slope * mean_x, 0.0), slope
         # noise can tilt a fit over a narrow spread below zero; a token never costs nothing, and
         # the average cost per token (fixed part included) is an upper bound to fall back on
-        return slope if slope > 0 else mean_y / mean_x
+        return 0.0, mean_y / mean_x
 
     def extra_seconds(self, num_tokens: int) -> float | None:
         """What `num_tokens` more tokens would add to a step; None while the slope is unknown."""

@@ -29,6 +29,6 @@ def make_scheduler(num_blocks: int = 64, block_size: int = 4, *, prefix_caching:
 def run_step(sched: Scheduler, token: int = 5):
     """One fake model step: every chunk that samples gets `token`."""
     plan = sched.schedule()
-    sampled = {c.request.request_id: token for c in plan.chunks if c.samples}
+    sampled = {c.request.request_id: [token] for c in plan.chunks if c.samples}
     finished = sched.update(plan, sampled)
     return plan, finished

@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers draft tokens, the engine verifies them in its batch."""

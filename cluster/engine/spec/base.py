@@ -1,0 +1,49 @@
+"""The proposer contract: who drafts what, when, and what the verifier relies on.
+
+A proposer drafts tokens that may continue a running request; the target model scores them in
+the same forward pass as the other requests' tokens (engine/spec/speculator.py plans it,
+engine/verifier.py accepts or rejects), so every accepted draft token is a token won without a
+step of its own.
+
+Who calls what (the engine thread, nothing else):
+
+    propose(requests, limits)   once per step, after the scheduler planned it and before the
+                                model runs: for each request (running, decoding, its next token
+                                known) at most limits[i] tokens continuing request.token_ids
+                                ([] for none). limits[i] may be 0: propose nothing for it.
+    finish(request)             the request finished (stop or length): its output is final
+    forget(request_id)          the request left this engine by any way (finished, aborted,
+                                migrated away); drop whatever is kept for it
+
+Contract:
+- Drafts are a deterministic function of what the proposer was given (a point mass): the
+  verifier's exactness under sampling rests on it (engine/verifier.py).
+- State is rebuilt from token ids: a request never seen before (a preempted one recomputed, a
+  stream migrated from another replica, a prompt prefilled on another pool) is proposed for
+  from `token_ids` alone, so nothing new crosses the KV connector.
+- `cheap`: proposing costs next to nothing (pattern lookups), so the engine proposes for
+  every candidate first and chooses lengths among what was proposed; otherwise (a draft model)
+  lengths are chosen first and only those are drafted.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar, Sequence
+
+from cluster.request import Request
+
+
+class Proposer(ABC):
+    name: ClassVar[str]
+    cheap: ClassVar[bool] = True
+
+    @abstractmethod
+    def propose(self, requests: Sequence[Request], limits: Sequence[int]) -> list[list[int]]:
+        """Up to limits[i] draft tokens continuing requests[i].token_ids, per request."""
+
+    def finish(self, request: Request) -> None:  # noqa: B027 - optional hook
+        """`request` finished normally; its output is final."""
+
+    def forget(self, request_id: str) -> None:  # noqa: B027 - optional hook
+        """`request_id` left this engine; drop its state."""

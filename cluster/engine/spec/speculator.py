@@ -1,0 +1,145 @@
+"""Speculation inside continuous batching: which running requests draft, how many tokens, and
+what came of it (plain values, no torch).
+
+    engine.step():  plan = scheduler.schedule()          # one token per decoding request
+                    plan = speculator.draft(plan)        # some decode chunks gain drafts
+                    result = runner.execute(plan)        # every position of a chunk sampled;
+                                                         # drafts verified (engine/verifier.py)
+                    scheduler.update(plan, result)       # accepted drafts + 1 token appended,
+                                                         # blocks of rejected ones freed
+                    speculator.observe(plan, result)     # acceptance, counters
+
+A decode chunk drafts when its request is running with its next token known, is not scoring
+its prompt, and has room left (max_tokens, max_model_len). Drafts never preempt anyone: when
+the blocks they need are not free, or the step's token budget is spent, the chunk runs without.
+A JSON / regex constrained request's draft ends at the first token its constraint refuses.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from typing import Any, Sequence
+
+from cluster.config import SpeculativeConfig
+from cluster.engine.block_manager import BlockManager
+from cluster.engine.scheduler import ScheduledChunk, StepPlan
+from cluster.engine.spec.base import Proposer
+from cluster.engine.spec.policy import DraftPolicy
+from cluster.engine.step_cost import StepCost
+from cluster.request import Request
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, blocks: BlockManager,
+                 step_cost: StepCost, max_batched_tokens: int) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.blocks = blocks
+        self.step_cost = step_cost
+        self.max_batched_tokens = max_batched_tokens
+        self.policy = DraftPolicy(config.num_speculative_tokens, config.adaptive)
+        self.counters: Counter[str] = Counter()
+        self.accepted_per_pos = [0] * config.num_speculative_tokens
+        self.last_lengths: Counter[int] = Counter()  # the draft lengths chosen in the last step
+        self._cost: tuple[float, float] | None = None  # last known (fixed, per_token) fit
+
+    # -- before the step ----------------------------------------------------------------
+    def draft(self, plan: StepPlan) -> StepPlan:
+        """The plan with drafts on the decode chunks that speculate."""
+        slots = [i for i, c in enumerate(plan.chunks) if self._may_draft(c)]
+        if not slots:
+            return plan
+        reqs = [plan.chunks[i].request for i in slots]
+        limits = [self._room(r) for r in reqs]
+        proposals: list[list[int]] | None = None
+        if self.proposer.cheap:
+            proposals = [self._allowed(r, d) for r, d in zip(reqs, self.proposer.propose(reqs, limits))]
+            limits = [len(p) for p in proposals]
+        fit = self._fit()
+        lengths = self.policy.choose([r.request_id for r in reqs], limits, plan.num_tokens,
+                                     *(fit or (None, None)))
+        budget = self.max_batched_tokens - plan.num_tokens
+        if proposals is None:
+            asked = self._cap(lengths, budget)
+            proposals = [self._allowed(r, d) for r, d in zip(reqs, self.proposer.propose(reqs, asked))]
+        lengths = self._cap([min(k, len(p)) for k, p in zip(lengths, proposals)], budget)
+        self.last_lengths = Counter(lengths)
+        chunks = list(plan.chunks)
+        for i, req, k, proposal in zip(slots, reqs, lengths, proposals):
+            if k > 0 and self.blocks.allocate(req, 1 + k):  # never preempts: without blocks, no drafts
+                chunks[i] = ScheduledChunk(req, chunks[i].start, 1 + k, tuple(proposal[:k]))
+        return StepPlan(chunks, plan.preempted)
+
+    def _may_draft(self, c: ScheduledChunk) -> bool:
+        req = c.request
+        return (c.num_tokens == 1 and c.samples and not req.prefill_only
+                and req.num_computed_tokens >= req.num_prompt_tokens and not req.needs_prompt_logprobs)
+
+    @staticmethod
+    def _room(req: Request) -> int:
+        """Drafts that can still be used: the step appends up to k + 1 tokens."""
+        left = req.max_model_len - req.num_tokens
+        if req.params.max_tokens is not None:
+            left = min(left, req.params.max_tokens - req.num_output_tokens)
+        return max(left - 1, 0)
+
+    @staticmethod
+    def _allowed(req: Request, draft: list[int]) -> list[int]:
+        """A constrained request's draft, cut at the first token its constraint refuses."""
+        if req.constraint is None or not draft:
+            return draft
+        probe = copy.copy(req.constraint)
+        probe.sync(req.output_token_ids)
+        for i, token in enumerate(draft):
+            if not probe.allows(token):
+                return draft[:i]
+            probe.sync([*req.output_token_ids, *draft[:i + 1]])
+        return draft
+
+    @staticmethod
+    def _cap(lengths: Sequence[int], budget: int) -> list[int]:
+        out = []
+        for k in lengths:
+            k = max(min(k, budget), 0)
+            budget -= k
+            out.append(k)
+        return out
+
+    def _fit(self) -> tuple[float, float] | None:
+        if self.step_cost.per_token_s is not None and self.step_cost.fixed_s is not None:
+            self._cost = (self.step_cost.fixed_s, self.step_cost.per_token_s)
+        return self._cost
+
+    # -- after the step -----------------------------------------------------------------
+    def observe(self, plan: StepPlan, sampled: dict[str, list[int]]) -> None:
+        for c in plan.chunks:
+            if not c.num_drafts:
+                continue
+            accepted = max(len(sampled.get(c.request.request_id, ())) - 1, 0)
+            self.policy.observe(c.request.request_id, c.num_drafts, accepted)
+            self.counters["spec_num_drafts"] += 1
+            self.counters["spec_num_draft_tokens"] += c.num_drafts
+            self.counters["spec_num_accepted_tokens"] += accepted
+            for pos in range(accepted):
+                self.accepted_per_pos[pos] += 1
+            c.request.num_draft_tokens += c.num_drafts
+            c.request.num_accepted_tokens += accepted
+
+    def finish(self, req: Request) -> None:
+        self.proposer.finish(req)
+
+    def forget(self, request_id: str) -> None:
+        self.policy.forget(request_id)
+        self.proposer.forget(request_id)
+
+    def stats(self) -> dict[str, Any]:
+        drafted = self.counters["spec_num_draft_tokens"]
+        return {
+            **self.counters,
+            **{f"spec_accepted_pos_{i}": n for i, n in enumerate(self.accepted_per_pos)},
+            "spec_method": self.proposer.name,
+            "spec_acceptance_rate": self.counters["spec_num_accepted_tokens"] / drafted if drafted else None,
+            "spec_acceptance_estimate": self.policy.engine.rate,
+            "spec_lengths_last_step": {str(k): n for k, n in sorted(self.last_lengths.items())},
+        }
