@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import time
@@ -122,6 +123,8 @@ class LLMEngine:
         started = time.perf_counter()
         result = self.runner.execute(plan, self.eos_token_ids)
         self.step_cost.observe(plan.num_tokens, time.perf_counter() - started)
+        if self.speculator is not None:
+            self.speculator.computed(plan)
         for chunk in plan.chunks:
             chunk.request.prompt_logprobs.extend(result.prompt_logprobs.get(chunk.request.request_id, ()))
         known = {c.request.request_id: c.request.num_tokens for c in plan.chunks}
@@ -206,7 +209,10 @@ class LLMEngine:
         needed = self.blocks.blocks_needed(req.num_prompt_tokens)
         if not 0 <= skip_blocks < needed:
             raise ValueError(f"skip_blocks must be in [0, {needed}) for {request_id!r}, got {skip_blocks}")
-        return self.runner.export_kv(req.block_ids[skip_blocks:needed])
+        block_ids = req.block_ids[skip_blocks:needed]
+        packed = self.runner.export_kv(block_ids)
+        draft = self._draft_kv()
+        return packed if draft is None else torch.cat([packed, draft.pack(block_ids, packed)])
 
     def release(self, request_id: str) -> bool:
         return self.scheduler.release(request_id) is not None
@@ -231,7 +237,18 @@ class LLMEngine:
 
     def import_kv(self, request_id: str, packed: torch.Tensor) -> None:
         req = self.scheduler.remote[request_id]
-        self.runner.import_kv(req.block_ids[req.num_computed_tokens // self.blocks.block_size:], packed)
+        block_ids = req.block_ids[req.num_computed_tokens // self.blocks.block_size:]
+        draft = self._draft_kv()
+        layers = self.runner.kv_cache.shape[0]
+        if draft is not None and packed.shape[0] == layers + draft.layers_like(tuple(packed.shape[3:])):
+            draft.unpack(block_ids, packed[layers:])
+            packed = packed[:layers]
+        self.runner.import_kv(block_ids, packed)
+
+    def _draft_kv(self) -> Any:
+        """The draft model whose KV crosses the connector beside the target's, if any."""
+        proposer = self.speculator.proposer if self.speculator is not None else None
+        return proposer if proposer is not None and proposer.has_kv else None
 
     def finish_remote(self, request_id: str, ok: bool, first_token: int | None = None,
                       first_logprobs: TokenLogprobs | None = None,
@@ -331,7 +348,15 @@ class LLMEngine:
     def kv_layout(self) -> KVLayout:
         """What a KV payload from this engine looks like, with a fingerprint of the model."""
         digest = hashlib.blake2b((self.model_path / "config.json").read_bytes(), digest_size=4).hexdigest()
-        return KVLayout.of_cache(f"{self.model_path.name}@{digest}", self.runner.kv_cache)
+        layout = KVLayout.of_cache(f"{self.model_path.name}@{digest}", self.runner.kv_cache)
+        draft = self._draft_kv()
+        if draft is None:
+            return layout
+        # the draft's KV travels as extra layers: both pools must run the same draft (or none)
+        draft_digest = hashlib.blake2b((draft.model_path / "config.json").read_bytes(), digest_size=4).hexdigest()
+        extra = draft.layers_like((layout.block_size, layout.num_kv_heads, layout.head_dim))
+        return dataclasses.replace(layout, model=f"{layout.model}+draft:{draft.model_path.name}@{draft_digest}",
+                                   num_layers=layout.num_layers + extra)
 
     def stats(self) -> dict[str, Any]:
         return {

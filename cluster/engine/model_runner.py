@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -172,6 +173,22 @@ class ModelRunner:
         for rid, n in owners:
             out[rid], i = entries[i:i + n], i + n
         return out
+
+    @torch.inference_mode()
+    def compute(self, chunks: list[ScheduledChunk], logits: bool = True) -> torch.Tensor | None:
+        """Run the model over `chunks`, writing their KV, sampling nothing (a draft model's
+        passes); with `logits`, those at each chunk's last position [len(chunks), V], in order."""
+        order = sorted(range(len(chunks)), key=lambda i: chunks[i].num_tokens != 1)  # decodes first
+        ordered = [chunks[i] for i in order]
+        input_ids, positions, meta, _ = self._prepare(ordered)
+        hidden = self.model.forward(input_ids, positions, self.kv_cache, meta)
+        if not logits:
+            return None
+        ends = list(itertools.accumulate(c.num_tokens for c in ordered))
+        rows = [0] * len(chunks)
+        for j, i in enumerate(order):
+            rows[i] = ends[j] - 1
+        return self.model.logits(hidden[self._tensor(rows, torch.int64)])
 
     def _prepare(self, chunks: list[ScheduledChunk]):
         bs = self.block_size

@@ -11,6 +11,9 @@ Who calls what (the engine thread, nothing else):
                                 model runs: for each request (running, decoding, its next token
                                 known) at most limits[i] tokens continuing request.token_ids
                                 ([] for none). limits[i] may be 0: propose nothing for it.
+    computed(chunks)            after the target's forward pass over a step's chunks (drafts
+                                included): a proposer with a KV cache of its own computes the
+                                same positions, so its KV is valid wherever the target's is
     finish(request)             the request finished (stop or length): its output is final
     forget(request_id)          the request left this engine by any way (finished, aborted,
                                 migrated away); drop whatever is kept for it
@@ -29,18 +32,25 @@ Contract:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar, Sequence
+from typing import TYPE_CHECKING, ClassVar, Sequence
 
 from cluster.request import Request
+
+if TYPE_CHECKING:
+    from cluster.engine.scheduler import ScheduledChunk
 
 
 class Proposer(ABC):
     name: ClassVar[str]
     cheap: ClassVar[bool] = True
+    has_kv: ClassVar[bool] = False  # its KV crosses the connector beside the target's (pack/unpack)
 
     @abstractmethod
     def propose(self, requests: Sequence[Request], limits: Sequence[int]) -> list[list[int]]:
         """Up to limits[i] draft tokens continuing requests[i].token_ids, per request."""
+
+    def computed(self, chunks: Sequence[ScheduledChunk]) -> None:  # noqa: B027 - optional hook
+        """The target computed these chunks' KV this step."""
 
     def finish(self, request: Request) -> None:  # noqa: B027 - optional hook
         """`request` finished normally; its output is final."""

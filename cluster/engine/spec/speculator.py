@@ -60,16 +60,23 @@ class Speculator:
         lengths = self.policy.choose([r.request_id for r in reqs], limits, plan.num_tokens,
                                      *(fit or (None, None)))
         budget = self.max_batched_tokens - plan.num_tokens
-        if proposals is None:
-            asked = self._cap(lengths, budget)
-            proposals = [self._allowed(r, d) for r, d in zip(reqs, self.proposer.propose(reqs, asked))]
-        lengths = self._cap([min(k, len(p)) for k, p in zip(lengths, proposals)], budget)
+        lengths = self._cap([min(k, len(p)) for k, p in zip(lengths, proposals)] if proposals else lengths, budget)
+        # never preempts: without free blocks for its drafts, a request runs without them
+        lengths = [k if k > 0 and self.blocks.allocate(r, 1 + k) else 0 for r, k in zip(reqs, lengths)]
+        if proposals is None:  # a draft model drafts into the blocks just reserved
+            proposals = [self._allowed(r, d) for r, d in zip(reqs, self.proposer.propose(reqs, lengths))]
         self.last_lengths = Counter(lengths)
         chunks = list(plan.chunks)
         for i, req, k, proposal in zip(slots, reqs, lengths, proposals):
-            if k > 0 and self.blocks.allocate(req, 1 + k):  # never preempts: without blocks, no drafts
+            k = min(k, len(proposal))
+            self.blocks.trim(req, req.num_computed_tokens + 1 + k)  # a draft cut short: its spare blocks
+            if k > 0:
                 chunks[i] = ScheduledChunk(req, chunks[i].start, 1 + k, tuple(proposal[:k]))
         return StepPlan(chunks, plan.preempted)
+
+    def computed(self, plan: StepPlan) -> None:
+        """The target computed the plan's KV; a proposer with KV of its own follows."""
+        self.proposer.computed(plan.chunks)
 
     def _may_draft(self, c: ScheduledChunk) -> bool:
         req = c.request
