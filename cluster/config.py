@@ -6,7 +6,7 @@ blocks, the loaded model's architecture) are returned by the pieces that compute
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
@@ -278,6 +278,8 @@ class AppConfig:
     max_local_prefill_tokens: disaggregated, a prompt with at most this many tokens its decode
     replica's prefix cache does not hold is prefilled there, not sent to the prefill pool (a
     short prompt, or a conversation's short next turn); 0: every prompt goes to the prefill pool.
+    speculative_config (an arg beside `engine`): speculative decoding on the decode pool (and on
+    the prefill pool for draft_model, whose prompt KV it computes): SpeculativeConfig's keys.
     local_prefill_budget_ms: disaggregated, a decode replica also prefills a prompt itself when
     computing the tokens its prefix cache does not hold would add at most this many ms to its
     running streams' next step, by its own steps' measured cost per token (engine/step_cost.py):
@@ -297,6 +299,15 @@ class AppConfig:
     prefix_aware_routing: bool = True
     max_local_prefill_tokens: int = 0
     local_prefill_budget_ms: float = 0.0
+
+    @property
+    def prefill_engine(self) -> EngineConfig:
+        """The prefill pool's engine: no speculation, unless the draft's KV is computed there
+        (draft_model) to cross the connector beside the target's."""
+        spec = self.engine.speculative
+        if spec is None or spec.method == "draft_model":
+            return self.engine
+        return replace(self.engine, speculative=None)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -325,11 +336,14 @@ class AppConfig:
         """`{mode, model, engine: {flat engine args}, kv_transfer: {...}, and the fields above}`;
         an unknown key anywhere is an error naming it."""
         args = dict(args or {})
-        known = {f.name for f in fields(cls)} | {"model"}
+        known = {f.name for f in fields(cls)} | {"model", "speculative_config"}
         unknown = sorted(set(args) - known)
         if unknown:
             raise ValueError(f"unknown app arg(s) {unknown}; known: {sorted(known)}")
         engine_args = dict(args.pop("engine", None) or {})
+        if "speculative_config" in engine_args:
+            raise ValueError("speculative_config is an app arg (beside `engine`), read by each pool that needs it")
+        engine_args["speculative_config"] = args.pop("speculative_config", None)
         kv_args = dict(args.pop("kv_transfer", None) or {})
         kv_known = {f.name for f in fields(KVTransferConfig)}
         bad = sorted(set(kv_args) - kv_known)

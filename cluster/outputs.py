@@ -44,6 +44,8 @@ class RequestOutput:
     queue_s: float | None = None  # how long the request waited for its first step on this engine
     # when asked for (`SamplingParams.prompt_logprobs`): one per prompt token, None for the first
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_draft_tokens: int = 0  # speculative decoding: tokens drafted for it on this engine so far
+    num_accepted_tokens: int = 0  # ... of which accepted
 
 
 @dataclass(frozen=True)

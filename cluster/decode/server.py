@@ -103,6 +103,9 @@ class DecodeServer:
                 delta = TokenDelta.merge(outs)
                 if delta.finish_reason is not None:
                     delta.trace = {**trace, "decode_queue_s": outs[-1].queue_s}
+                    if outs[-1].num_draft_tokens:
+                        delta.trace.update(spec_draft_tokens=outs[-1].num_draft_tokens,
+                                           spec_accepted_tokens=outs[-1].num_accepted_tokens)
                 yield [delta]
         finally:
             if self.connector is not None:

@@ -64,6 +64,8 @@ class LLMEngine:
         self._ids = itertools.count()
         # prompt tokens admitted; tokens handed to callers; requests finished, by reason
         self.counters: Counter[str] = Counter()
+        if config.speculative is not None and config.speculative.adaptive:
+            self.calibrate()  # draft lengths are chosen from the step cost: know it from the start
 
     # -- requests ------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -171,7 +173,8 @@ class LLMEngine:
         )
         result = RequestOutput(req.request_id, req.prompt_token_ids, [out], req.is_finished,
                                self._prompts.get(req.request_id), req.num_cached_tokens, time.monotonic(),
-                               req.queue_s, self._prompt_scores(req))
+                               req.queue_s, self._prompt_scores(req), req.num_draft_tokens,
+                               req.num_accepted_tokens)
         if not req.prefill_only:  # a prefill-only request's token reaches its caller through decode
             self.counters["generation_tokens"] += len(new_tokens)
             if out.finish_reason is not None:

@@ -28,7 +28,7 @@ from cluster.sampling_params import SamplingParams
 class PrefillServer:
     def __init__(self, config: AppConfig, engine: LLMEngine | None = None) -> None:
         self.config = config
-        self.engine = engine or LLMEngine(config.engine)
+        self.engine = engine or LLMEngine(config.prefill_engine)
         kv = config.kv_transfer
         self.connector = create_connector(kv.connector, self.engine.kv_layout(),
                                           **kv.connector_options(role="prefill"))

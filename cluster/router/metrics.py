@@ -5,7 +5,8 @@ and decode pools), rendered as Prometheus text. Every series carries `pool`, `re
 vLLM's names where they mean the same thing (dashboards for vLLM work unchanged):
     router   vllm:time_to_first_token_seconds, vllm:e2e_request_latency_seconds (client's view)
     decode   vllm:inter_token_latency_seconds (engine clock), vllm:request_success_total{finished_reason},
-             vllm:generation_tokens_total
+             vllm:generation_tokens_total, vllm:spec_decode_num_drafts / _draft_tokens / _accepted_tokens
+             / _accepted_tokens_per_pos{position} (speculative decoding)
     both     vllm:num_requests_running / _waiting, vllm:kv_cache_usage_perc, vllm:prompt_tokens_total
              (where prompts are computed), vllm:prefix_cache_queries_total / _hits_total
 plus disaggregation's own (tandem:*): KV transfer seconds and bytes, failures by stage and kind,
@@ -65,6 +66,10 @@ COUNTERS: dict[str, tuple[str, Stat]] = {
     "tandem:kv_late_acks": ("Acknowledgements that came after their lease expired (ignored).", _key("late_acks")),
     "tandem:kv_recomputed": ("Prompts recomputed on decode after a failed prefill or transfer.", _key("recomputed")),
     "tandem:prefill_retries": ("Prefill calls retried on another replica after one was lost.", _key("prefill_retried")),
+    "vllm:spec_decode_num_drafts": ("Speculative steps: a request verified one or more draft tokens.",
+                                    _key("spec_num_drafts")),
+    "vllm:spec_decode_num_draft_tokens": ("Draft tokens verified.", _key("spec_num_draft_tokens")),
+    "vllm:spec_decode_num_accepted_tokens": ("Draft tokens accepted.", _key("spec_num_accepted_tokens")),
     "tandem:migrations": ("Streams moved to another decode replica after theirs died.", _key("migrations")),
     "tandem:requests_aborted": ("Requests abandoned by their caller (hang-up, deadline).", _key("aborted")),
 }
@@ -78,6 +83,8 @@ LABELED: dict[str, tuple[str, re.Pattern[str], tuple[str, ...]]] = {
                               "(short: within max_local_prefill_tokens; budget: within local_prefill_budget_ms; "
                               "no_room: no blocks to receive).",
                               re.compile(r"^prefilled_locally_(\w+)$"), ("reason",)),
+    "vllm:spec_decode_num_accepted_tokens_per_pos": ("Draft tokens accepted, by position in the draft (0 first).",
+                                                      re.compile(r"^spec_accepted_pos_(\d+)$"), ("position",)),
     "tandem:requests_rejected": ("Requests refused before admission, by code.", re.compile(r"^rejected_(\w+)$"),
                                  ("code",)),
 }

@@ -41,7 +41,8 @@ class Speculator:
         self.policy = DraftPolicy(config.num_speculative_tokens, config.adaptive)
         self.counters: Counter[str] = Counter()
         self.accepted_per_pos = [0] * config.num_speculative_tokens
-        self.last_lengths: Counter[int] = Counter()  # the draft lengths chosen in the last step
+        self.last_lengths: Counter[int] = Counter()  # draft length → requests, in the last step that chose
+        self.lengths_chosen: Counter[int] = Counter()  # ... and since start
         self._cost: tuple[float, float] | None = None  # last known (fixed, per_token) fit
 
     # -- before the step ----------------------------------------------------------------
@@ -66,6 +67,7 @@ class Speculator:
         if proposals is None:  # a draft model drafts into the blocks just reserved
             proposals = [self._allowed(r, d) for r, d in zip(reqs, self.proposer.propose(reqs, lengths))]
         self.last_lengths = Counter(lengths)
+        self.lengths_chosen.update(lengths)
         chunks = list(plan.chunks)
         for i, req, k, proposal in zip(slots, reqs, lengths, proposals):
             k = min(k, len(proposal))
@@ -149,4 +151,5 @@ class Speculator:
             "spec_acceptance_rate": self.counters["spec_num_accepted_tokens"] / drafted if drafted else None,
             "spec_acceptance_estimate": self.policy.engine.rate,
             "spec_lengths_last_step": {str(k): n for k, n in sorted(self.last_lengths.items())},
+            "spec_lengths_chosen": {str(k): n for k, n in sorted(self.lengths_chosen.items())},
         }
