@@ -1,6 +1,7 @@
 import random
 
-from builders import make_request, make_scheduler, run_step
+import pytest
+from builders import make_request, make_scheduler, make_speculator, run_spec_step, run_step
 
 from cluster.engine.block_manager import BlockManager
 from cluster.request import RequestStatus
@@ -93,7 +94,8 @@ def test_freed_cached_blocks_are_revived_then_evicted_lru():
     assert bm.cached == {}
 
 
-def test_random_workloads_leave_no_block_in_use():
+@pytest.mark.parametrize("speculate", [False, True], ids=["plain", "drafts rejected at random"])
+def test_random_workloads_leave_no_block_in_use(speculate):
     rng = random.Random(0)
     for trial in range(20):
         num_blocks, block_size = rng.randint(12, 40), rng.choice([2, 4, 8])
@@ -101,6 +103,7 @@ def test_random_workloads_leave_no_block_in_use():
         sched = make_scheduler(num_blocks=num_blocks, block_size=block_size,
                                max_num_seqs=rng.randint(1, 8), max_num_batched_tokens=rng.randint(8, 64))
         shared = [rng.randrange(1, 50) for _ in range(24)]
+        spec = make_speculator(sched, k=rng.randint(1, 6)) if speculate else None
         live = []
         for step in range(300):
             if rng.random() < 0.3 and len(live) < 30:
@@ -112,10 +115,19 @@ def test_random_workloads_leave_no_block_in_use():
                 live.append(req)
             if live and rng.random() < 0.05:
                 sched.abort(rng.choice(live).request_id)
-            run_step(sched, token=rng.randrange(1, 50))
+            one_step(sched, spec, rng)
         while sched.has_work():
-            run_step(sched, token=rng.randrange(1, 50))
+            one_step(sched, spec, rng)
         assert all(r.is_finished for r in live)
         assert sched.blocks.num_free_blocks == sched.blocks.num_blocks, f"trial {trial} leaked"
         assert all(c == 0 for c in sched.blocks.ref_counts)
         assert any(r.status == RequestStatus.FINISHED_LENGTH for r in live)
+        if speculate:
+            assert spec.counters["spec_num_accepted_tokens"] > 0
+            assert spec.counters["spec_num_draft_tokens"] > spec.counters["spec_num_accepted_tokens"]
+
+
+def one_step(sched, spec, rng):
+    if spec is None:
+        return run_step(sched, token=rng.randrange(1, 50))
+    return run_spec_step(sched, spec, rng, token=rng.randrange(1, 50))

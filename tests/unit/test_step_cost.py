@@ -16,6 +16,7 @@ def test_the_slope_of_noisy_steps_is_found_and_the_fixed_part_left_out():
         n = rng.choice([1, 2, 4, 8, 16, 64])
         fit.observe(n, (0.020 + 0.0015 * n) * rng.uniform(0.9, 1.1))
     assert fit.per_token_s == pytest.approx(0.0015, rel=0.1)
+    assert fit.fixed_s == pytest.approx(0.020, rel=0.1)  # what speculation's draft lengths weigh against
     assert fit.extra_seconds(40) == pytest.approx(0.060, rel=0.1)  # not 40 x the average step per token
 
 
