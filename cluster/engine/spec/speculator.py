@@ -145,7 +145,7 @@ class Speculator:
     def stats(self) -> dict[str, Any]:
         drafted = self.counters["spec_num_draft_tokens"]
         return {
-            **self.counters,
+            **{k: self.counters[k] for k in ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")},
             **{f"spec_accepted_pos_{i}": n for i, n in enumerate(self.accepted_per_pos)},
             "spec_method": self.proposer.name,
             "spec_acceptance_rate": self.counters["spec_num_accepted_tokens"] / drafted if drafted else None,
