@@ -246,10 +246,13 @@ def kill_the_busy_decode_replica(url: str) -> None:
 
 
 def test_decode_replica_killed_mid_stream_the_stream_moves_to_another(serve_url):
+    """With migration off, the client is told (an error chunk, no clean finish). With it on, and
+    speculative decoding on, the stream goes on on the other replica with the tokens it gets
+    without either: the new replica drafts from the stream's token ids alone."""
     args = load_config("colocated.yaml")["applications"][0]["args"]
     args["engine"] = {**args["engine"], "cpu_kv_cache_bytes": 256 << 20}
     prompt = "Tell me a long story about a lighthouse keeper."
-    fresh(config(args, prefill=None, decode=2), {"Router": 1, "DecodePool": 2})
+    fresh(config({**args, "max_migrations": 0}, prefill=None, decode=2), {"Router": 1, "DecodePool": 2})
     reference, finish, error = stream_text(serve_url, prompt, 160)
     assert finish == "length" and error is None
 
@@ -260,20 +263,22 @@ def test_decode_replica_killed_mid_stream_the_stream_moves_to_another(serve_url)
             killed.set()
             kill_the_busy_decode_replica(serve_url)
 
-    moved, finish, error = stream_text(serve_url, prompt, 160, on_chunk=kill_at)
-    assert killed.is_set()
-    assert error is None and finish == "length"
-    assert moved == reference  # greedy: the other replica went on exactly where the dead one stopped
-
-    # migration off: the client is told, with an error chunk and no clean finish
-    fresh(config({**args, "max_migrations": 0}, prefill=None, decode=2), {"Router": 1, "DecodePool": 2})
-    killed.clear()
     cut, finish, error = stream_text(serve_url, prompt, 160, on_chunk=kill_at)
     assert killed.is_set() and finish is None
     assert error is not None and error["code"] == 503 and reference.startswith(cut)
     wait_for(lambda: running_replicas() == {"Router": 1, "DecodePool": 2}, 120, "the killed replica replaced")
     for s in replica_stats(serve_url, settle_s=6.0):
         assert s["blocks_in_use"] == 0 and s["num_running"] == 0, s
+
+    spec = {"method": "ngram", "prompt_lookup_min": 1}
+    fresh(config({**args, "speculative_config": spec}, prefill=None, decode=2), {"Router": 1, "DecodePool": 2})
+    killed.clear()
+    moved, finish, error = stream_text(serve_url, prompt, 160, on_chunk=kill_at)
+    assert killed.is_set()
+    assert error is None and finish == "length"
+    assert moved == reference  # greedy: the other replica went on exactly where the dead one stopped
+    survivor = [s for s in replica_stats(serve_url, settle_s=2.0) if s["pool"] == "decode" and s["generation_tokens"]]
+    assert survivor and all(s["spec_num_draft_tokens"] > 0 for s in survivor)
 
 
 def test_decode_replica_killed_after_prefill_the_prefill_blocks_return_within_the_lease(serve_url):

@@ -283,28 +283,53 @@ def seeded(c, model: str) -> list[str]:
         model=model, messages=QUESTION, temperature=1.0, seed=21, n=2, max_tokens=16).choices]
 
 
-def test_greedy_identical_colocated_and_every_connector(serve_url):
+SPECULATING = {  # deployment → (config, its speculative_config): each connector with a method
+    "colocated.yaml, ngram": ("colocated.yaml", {"method": "ngram", "prompt_lookup_min": 1}),
+    "serve-tcp.yaml, suffix": ("serve-tcp.yaml", {"method": "suffix"}),
+    "serve-shared-store.yaml, ngram": ("serve-shared-store.yaml", {"method": "ngram", "prompt_lookup_min": 1}),
+    "serve-collective.yaml, draft_model": ("serve-collective.yaml", {"model": None}),  # the default model itself
+}
+
+
+def test_greedy_identical_colocated_and_every_connector(serve_url, default_model_path):
     """And sampled with a seed: a seed gives the same replies wherever the first token is drawn.
     Also with conditional disaggregation by time: a budget that takes these short prompts has
-    the decode replica prefill them, the same replies, nothing crossing a connector."""
-    outputs, sampled, landed, metrics = {}, {}, {}, {}
+    the decode replica prefill them, the same replies, nothing crossing a connector. Every
+    connector runs with speculative decoding on (a method each), and colocated with it too: the
+    same replies as colocated without it. The default model as its own draft over the
+    collective connector has every greedy draft accepted: its draft KV crossed with the prompt's."""
+    outputs, sampled, landed, metrics, decode = {}, {}, {}, {}, {}
     budget = "serve.yaml, local_prefill_budget_ms"
-    for name in ("colocated.yaml", budget, "serve-tcp.yaml", "serve-shared-store.yaml", "serve-collective.yaml"):
-        deploy({**args_of("serve.yaml"), "local_prefill_budget_ms": 5000} if name == budget else args_of(name))
+    for name in ("colocated.yaml", budget, *SPECULATING):
+        if name in SPECULATING:
+            file, spec = SPECULATING[name]
+            spec = {**spec, "model": str(default_model_path)} if "model" in spec else spec
+            deploy({**args_of(file), "speculative_config": spec})
+        else:
+            deploy({**args_of("serve.yaml"), "local_prefill_budget_ms": 5000} if name == budget else args_of(name))
         c = client(serve_url)
         outputs[name] = greedy(c, c.models.list().data[0].id)
+        decode[name] = next(s for s in replica_stats(serve_url, settle_s=1.5) if s["pool"] == "decode")
         sampled[name] = seeded(c, c.models.list().data[0].id)
         landed[name] = sum(s.get("kv_landed", 0) for s in replica_stats(serve_url, settle_s=1.5))
         metrics[name] = scrape(serve_url)
-    for name in (budget, "serve-tcp.yaml", "serve-shared-store.yaml", "serve-collective.yaml"):
+    for name in (budget, *SPECULATING):
         assert outputs[name] == outputs["colocated.yaml"], name
         assert sampled[name] == sampled["colocated.yaml"], name
-        assert landed[name] == (0 if name == budget else len(PROMPTS) + 2), name  # each prompt's KV crossed
+        crossed = 0 if name in (budget, "colocated.yaml, ngram") else len(PROMPTS) + 2  # each prompt's KV
+        assert landed[name] == crossed, name
     assert "Paris" in outputs["colocated.yaml"][0]
     # the decode replica timed its steps at start, and the budget is what kept every prompt there
     assert total(metrics[budget], "tandem:step_seconds_per_token", pool="decode") > 0
     assert total(metrics[budget], "tandem:local_prefills_total", pool="decode", reason="budget") == len(PROMPTS) + 2
     assert total(metrics[budget], "vllm:prompt_tokens_total", pool="prefill") == 0
+    for name in SPECULATING:  # drafts were verified, and vLLM's metrics say so
+        assert total(metrics[name], "vllm:spec_decode_num_draft_tokens_total", pool="decode") > 0, name
+        assert total(metrics[name], "vllm:spec_decode_num_accepted_tokens_total", pool="decode") > 0, name
+        assert total(metrics[name], "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0") > 0, name
+    draft = decode["serve-collective.yaml, draft_model"]
+    assert draft["spec_num_draft_tokens"] > 10
+    assert draft["spec_num_accepted_tokens"] == draft["spec_num_draft_tokens"]
 
 
 def plasma_in_use() -> tuple[int, int]:
