@@ -118,23 +118,30 @@ def run_tandem(spec: dict | None, contents: list[str], max_tokens: int) -> dict:
 VLLM_SCRIPT = r"""
 import json, sys, time
 from vllm import LLM, SamplingParams
-args = json.load(open(sys.argv[1]))
-spec = args["spec"]
-llm = LLM(model=args["model"], dtype="float32", max_num_seqs=16, speculative_config=spec, seed=0)
-params = SamplingParams(temperature=0.0, max_tokens=args["max_tokens"])
-llm.chat([[{"role": "user", "content": "Hi"}]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
-out = {}
-for name, contents in args["workloads"].items():
-    convs = [[{"role": "user", "content": c}] for c in contents]
-    row = {}
-    for streams, batches in ((1, [[c] for c in convs[:4]]), (16, [convs[:16]])):
-        tokens, t = 0, time.perf_counter()
-        for batch in batches:
-            tokens += sum(len(o.outputs[0].token_ids) for o in llm.chat(batch, params, use_tqdm=False))
-        dt = time.perf_counter() - t
-        row[f"streams{streams}"] = {"tok_s": round(tokens / dt, 2), "tokens": tokens, "seconds": round(dt, 2)}
-    out[name] = row
-print("RESULT " + json.dumps(out), flush=True)
+
+
+def main():
+    args = json.load(open(sys.argv[1]))
+    spec = args["spec"]
+    llm = LLM(model=args["model"], dtype="float32", max_num_seqs=16, speculative_config=spec, seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=args["max_tokens"])
+    llm.chat([[{"role": "user", "content": "Hi"}]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    out = {}
+    for name, contents in args["workloads"].items():
+        convs = [[{"role": "user", "content": c}] for c in contents]
+        row = {}
+        for streams, batches in ((1, [[c] for c in convs[:4]]), (16, [convs[:16]])):
+            tokens, t = 0, time.perf_counter()
+            for batch in batches:
+                tokens += sum(len(o.outputs[0].token_ids) for o in llm.chat(batch, params, use_tqdm=False))
+            dt = time.perf_counter() - t
+            row[f"streams{streams}"] = {"tok_s": round(tokens / dt, 2), "tokens": tokens, "seconds": round(dt, 2)}
+        out[name] = row
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":  # vLLM starts its engine core by spawn: this module is imported again
+    main()
 """
 
 

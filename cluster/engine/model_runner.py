@@ -16,7 +16,7 @@ from cluster.engine.kv_cache import allocate_kv_cache
 from cluster.engine.sampler import Logprob, sample, score_tokens
 from cluster.engine.scheduler import ScheduledChunk, StepPlan
 from cluster.models.architecture import Architecture
-from cluster.models.attention import AttentionMetadata, PrefillChunk, cpu_decode_index
+from cluster.models.attention import AttentionMetadata, PrefillChunk, cpu_decode_index, cpu_verify_index
 from cluster.models.loader import load_model
 from cluster.outputs import TokenLogprobs
 from cluster.request import Request
@@ -199,6 +199,7 @@ class ModelRunner:
         dec_tables: list[list[int]] = []
         dec_lens: list[int] = []
         prefills: list[PrefillChunk] = []
+        verify: list[tuple[int, int, int, list[int]]] = []
         for c in chunks:
             req, end = c.request, c.start + c.num_tokens
             blocks = req.block_ids
@@ -209,6 +210,8 @@ class ModelRunner:
             if c.num_tokens == 1:
                 dec_tables.append(blocks[: -(-end // bs)])
                 dec_lens.append(end)
+            elif c.num_drafts and self.device.type == "cpu":  # batched like decodes, not one call each
+                verify.append((offset, c.num_tokens, end, blocks[: -(-end // bs)]))
             else:
                 table = torch.tensor(blocks[: -(-end // bs)], dtype=torch.int64, device=self.device)
                 prefills.append(PrefillChunk(offset, c.num_tokens, end, table))
@@ -225,6 +228,8 @@ class ModelRunner:
             prefills=tuple(prefills),
             cpu_decode=(cpu_decode_index(tables, lens, bs, self.kv_cache.shape[-2:], self.kv_cache.dtype)
                         if dec_lens and self.device.type == "cpu" else None),
+            cpu_verify=(cpu_verify_index(verify, bs, self.kv_cache.shape[-2:], self.kv_cache.dtype, self.device)
+                        if verify else ()),
         )
         return (self._tensor(ids, torch.int64), self._tensor(pos, torch.int64), meta,
                 self._tensor(sample_rows, torch.int64))

@@ -50,6 +50,43 @@ class CpuDecodeIndex:
 
 
 @dataclass(frozen=True)
+class VerifyGroup:
+    """CPU: short chunks over a cached context (speculative verify steps: a token and its
+    drafts), batched as decodes are instead of one attention call per chunk. Query j of chunk i
+    sees context positions <= its own; a chunk shorter than the group's longest is padded by
+    repeating its last row, whose result is the same as that row's, so scattering back is safe.
+
+        rows  [b, Q]: flat token rows      valid [b, 1, Q, L]:  j=0  ■■■■■□□
+                                                                j=1  ■■■■■■□   (ctx 7, q 2: last
+                                                                j=2  ■■■■■■■    row repeated)
+    """
+
+    rows: torch.Tensor  # [b, Q] int64
+    slots: torch.Tensor  # [b, L] int64: cache slot of every context position
+    valid: torch.Tensor  # [b, 1, Q, L] bool
+    gathered: torch.Tensor  # [2, b * L, Hkv, D]
+
+
+def cpu_verify_index(chunks: list[tuple[int, int, int, list[int]]], block_size: int, kv_row: tuple[int, int],
+                     dtype: torch.dtype, device: torch.device) -> tuple[VerifyGroup, ...]:
+    """chunks: (first flat row, num tokens, context length after the chunk, block table)."""
+    q_max = max(n for _, n, _, _ in chunks)
+    length = max(ctx for _, _, ctx, _ in chunks)
+    rows = torch.tensor([[offset + min(j, n - 1) for j in range(q_max)] for offset, n, _, _ in chunks],
+                        dtype=torch.int64, device=device)
+    pos = torch.arange(length, device=device)
+    tables = torch.tensor([t + [0] * (-(-length // block_size) - len(t)) for _, _, _, t in chunks],
+                          dtype=torch.int64, device=device)
+    slots = tables[:, pos // block_size] * block_size + pos % block_size  # [b, L]
+    # query j of a chunk of n tokens ending at ctx sits at position ctx - n + min(j, n - 1)
+    last = torch.tensor([[ctx - n + min(j, n - 1) for j in range(q_max)] for _, n, ctx, _ in chunks],
+                        device=device)  # [b, Q]
+    valid = (pos[None, None, :] <= last[:, :, None]).unsqueeze(1)  # [b, 1, Q, L]
+    gathered = torch.empty(2, len(chunks) * length, *kv_row, dtype=dtype, device=device)
+    return (VerifyGroup(rows, slots, valid, gathered),)
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each flat token
     num_decode_tokens: int
@@ -57,6 +94,7 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor  # [Bd] int32
     prefills: tuple[PrefillChunk, ...]
     cpu_decode: CpuDecodeIndex | None = None
+    cpu_verify: tuple[VerifyGroup, ...] = ()  # CPU: short chunks with drafts, batched (not in prefills)
 
 
 def cpu_decode_index(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
@@ -97,11 +135,13 @@ def paged_attention(
     k_cache, v_cache = kv_layer[0], kv_layer[1]
     ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     nd = meta.num_decode_tokens
-    if not meta.prefills:
+    if not meta.prefills and not meta.cpu_verify:
         return _decode(q, k_cache, v_cache, meta, ops, scale)
     out = torch.empty_like(q)
     if nd:
         out[:nd] = _decode(q[:nd], k_cache, v_cache, meta, ops, scale)
+    for g in meta.cpu_verify:
+        _verify(q, out, k_cache, v_cache, g, scale)
     for p in meta.prefills:
         rows = slice(p.offset, p.offset + p.num_tokens)
         if p.context_len == p.num_tokens:  # nothing cached before this chunk: use it directly
@@ -132,6 +172,21 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta:
         out[g.rows] = F.scaled_dot_product_attention(q[g.rows].unsqueeze(2), keys, values, attn_mask=g.valid,
                                                      scale=scale, enable_gqa=True).squeeze(2)  # [b, Hq, D]
     return out
+
+
+def _verify(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: VerifyGroup,
+            scale: float) -> None:
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    (b, length), q_max, num_heads = g.slots.shape, g.rows.shape[1], q.shape[1]
+    keys, values = g.gathered
+    torch.index_select(k_cache.view(-1, num_kv_heads, head_dim), 0, g.slots.view(-1), out=keys)
+    torch.index_select(v_cache.view(-1, num_kv_heads, head_dim), 0, g.slots.view(-1), out=values)
+    keys = keys.view(b, length, num_kv_heads, head_dim).transpose(1, 2)  # [b, Hkv, L, D]
+    values = values.view(b, length, num_kv_heads, head_dim).transpose(1, 2)
+    rows = g.rows.view(-1)
+    queries = q[rows].view(b, q_max, num_heads, head_dim).transpose(1, 2)  # [b, Hq, Q, D]
+    res = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.valid, scale=scale, enable_gqa=True)
+    out[rows] = res.transpose(1, 2).reshape(b * q_max, num_heads, head_dim)
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -3,7 +3,7 @@ compute-bound, and less for a request whose drafts keep being rejected."""
 
 from __future__ import annotations
 
-from cluster.engine.spec.policy import DraftPolicy
+from cluster.engine.spec.policy import MIN_RATE, DraftPolicy
 
 # a CPU step of the default model: ~30 ms to stream the weights, ~2 ms per token computed
 FIXED, PER_TOKEN = 0.030, 0.002
@@ -36,9 +36,14 @@ def test_limits_cap_the_choice_and_without_a_cost_fit_or_adaptive_each_gets_its_
     assert DraftPolicy(5, adaptive=False).choose(["a", "b"], [3, 0], 50, FIXED, 1.0) == [3, 0]
 
 
-def test_a_new_request_starts_from_the_engine_wide_acceptance():
+def test_a_new_request_starts_from_the_engine_wide_acceptance_and_probes_only_where_drafts_are_cheap():
     policy = DraftPolicy(max_tokens=5, adaptive=True)
     for i in range(50):
         policy.observe(f"old{i}", 5, 0)  # drafts never accepted so far on this engine
-    assert policy.rate("new") < 0.05
-    assert policy.choose(["new"], [5], 1, FIXED, PER_TOKEN) == [0]
+    assert policy.rate("new") == MIN_RATE  # floored: the engine's own estimate is ~0
+    assert policy.choose(["new"], [5], 1, FIXED, PER_TOKEN) == [1]  # one stream: one draft costs ~nothing
+    ids = [f"new{i}" for i in range(16)]
+    assert policy.choose(ids, [5] * 16, 16, 0.027, 0.008) == [0] * 16  # under load: not worth a position
+    for _ in range(5):
+        policy.observe("new", 5, 5)  # its drafts turn out right: it speculates deeply again
+    assert policy.choose(["new"], [5], 1, FIXED, PER_TOKEN) == [5]

@@ -7,6 +7,9 @@ engine-wide estimate. The j-th draft of a request yields a token only if drafts 
 accepted, so it is worth a^j tokens; k drafts are worth (1 - a^(k+1)) / (1 - a) - 1.
 
 Per step, the engine's fitted step cost (engine/step_cost.py): time = fixed + per_token x tokens.
+Estimates are floored at MIN_RATE, so an unlucky start does not stop a request speculating
+for good where drafts are cheap.
+
 A step that computes B tokens (the scheduler's plan) yields T expected tokens in C seconds; one
 more draft of worth g costs per_token and raises the step's rate T / C only when
 g / per_token > T / C. Drafts are added best first (a heap over each request's next draft, whose
@@ -23,6 +26,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 DECAY = 0.9  # per observed step of a request's own acceptance history
+# the estimate never goes below this: a request whose drafts were rejected early on keeps probing
+# with one draft where a position costs next to nothing (one stream: ~1/25 of a step), so a reply
+# that turns to copying is noticed; under load a draft must be worth far more than this to be tried
+MIN_RATE = 0.1
 PRIOR_WEIGHT = 2.0  # how many positions the engine-wide estimate counts for in a new request's
 ENGINE_DECAY = 0.995
 
@@ -53,7 +60,7 @@ class DraftPolicy:
 
     def rate(self, request_id: str) -> float:
         a = self.requests.get(request_id)
-        return self.engine.rate if a is None else a.rate
+        return max(self.engine.rate if a is None else a.rate, MIN_RATE)
 
     def observe(self, request_id: str, drafted: int, accepted: int) -> None:
         if drafted <= 0:
