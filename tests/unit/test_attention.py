@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.models.attention import AttentionMetadata, PrefillChunk, cpu_decode_index, paged_attention
+from cluster.models.attention import (AttentionMetadata, PrefillChunk, cpu_decode_index, cpu_verify_index,
+                                      paged_attention)
 from kernels import REFERENCE_OPS
 
 BS, HKV, HQ, D, NB = 4, 2, 6, 8, 40
@@ -21,14 +22,17 @@ def dense_causal(q, k, v, scale):
     return torch.einsum("hnc,chd->nhd", probs, v)
 
 
-@pytest.mark.parametrize("cpu_index", [False, True])
-def test_mixed_step_of_decodes_and_prefill_chunks_equals_dense_attention(cpu_index):
+@pytest.mark.parametrize("cpu_index,verify", [(False, False), (True, False), (True, True)],
+                         ids=["kernels", "cpu decode index", "cpu verify batch"])
+def test_mixed_step_of_decodes_and_prefill_chunks_equals_dense_attention(cpu_index, verify):
+    """`verify`: the short chunks over a cached context (a token and its drafts: (6, 5), (11, 2))
+    attend in one batched call (cpu_verify), not one call each."""
     gen = torch.Generator().manual_seed(3)
     # (cached tokens before this step, new tokens this step): two decodes, a fresh prompt,
-    # and a chunk continuing a prompt whose first 6 tokens are cached
-    seqs = [(9, 1), (2, 1), (0, 7), (6, 5)]
+    # and chunks continuing sequences whose first 6 and 11 tokens are cached
+    seqs = [(9, 1), (2, 1), (0, 7), (6, 5), (11, 2)]
     perm = torch.randperm(NB, generator=gen).tolist()
-    tables = [perm[i * 5:(i + 1) * 5] for i in range(len(seqs))]
+    tables = [perm[i * 4:(i + 1) * 4] for i in range(len(seqs))]
     kv = torch.zeros(2, NB, BS, HKV, D)
     full_k = [torch.randn(c + n, HKV, D, generator=gen) for c, n in seqs]
     full_v = [torch.randn(c + n, HKV, D, generator=gen) for c, n in seqs]
@@ -36,21 +40,24 @@ def test_mixed_step_of_decodes_and_prefill_chunks_equals_dense_attention(cpu_ind
         for p in range(cached):
             kv[0, table[p // BS], p % BS], kv[1, table[p // BS], p % BS] = k[p], v[p]
 
-    q_parts, k_parts, v_parts, slots, prefills = [], [], [], [], []
+    q_parts, k_parts, v_parts, slots, prefills, short = [], [], [], [], [], []
     offset = 0
     for (cached, new), table, k, v in zip(seqs, tables, full_k, full_v):
         q_parts.append(torch.randn(new, HQ, D, generator=gen))
         k_parts.append(k[cached:])
         v_parts.append(v[cached:])
         slots += [table[p // BS] * BS + p % BS for p in range(cached, cached + new)]
-        if new > 1:
+        if new > 1 and verify and cached:
+            short.append((offset, new, cached + new, table[: -(-(cached + new) // BS)]))
+        elif new > 1:
             prefills.append(PrefillChunk(offset, new, cached + new,
                                          torch.tensor(table[: -(-(cached + new) // BS)])))
         offset += new
     dec_tables = torch.tensor([tables[0], tables[1]], dtype=torch.int32)
     dec_lens = torch.tensor([10, 3], dtype=torch.int32)
     meta = AttentionMetadata(torch.tensor(slots), 2, dec_tables, dec_lens, tuple(prefills),
-                             cpu_decode_index(dec_tables, dec_lens, BS, (HKV, D), kv.dtype) if cpu_index else None)
+                             cpu_decode_index(dec_tables, dec_lens, BS, (HKV, D), kv.dtype) if cpu_index else None,
+                             cpu_verify_index(short, BS, (HKV, D), kv.dtype, kv.device) if short else ())
 
     out = paged_attention(torch.cat(q_parts), torch.cat(k_parts), torch.cat(v_parts), kv, meta,
                           REFERENCE_OPS, 0.3)

@@ -44,12 +44,24 @@ def test_one_file_per_connector_and_a_default():
     (lambda c: c["applications"][0]["args"]["engine"].update(max_num_seq=4), "max_num_seq"),
     (lambda c: c["applications"][0]["args"]["kv_transfer"].update(conector="tcp"), "conector"),
     (lambda c: c["applications"][0]["deployments"].append({"name": "PrefilPool"}), "PrefilPool"),
+    (lambda c: c["applications"][0]["args"].update(speculative_config={"method": "ngram", "num_spec_tokens": 3}),
+     "num_spec_tokens"),
+    (lambda c: c["applications"][0]["args"].update(speculative_config={"method": "eagle3"}), "eagle3"),
 ])
 def test_a_typo_fails_with_its_name(mutate, named):
     config = copy.deepcopy(load("serve.yaml"))
     mutate(config)
     with pytest.raises(ConfigError, match=named):
         validate_serve_config(config)
+
+
+def test_the_commented_speculative_config_validates_once_uncommented():
+    text = (CONFIGS / "serve.yaml").read_text()
+    lines = [line.replace("# ", "", 1) if "speculative_config:" in line or line.strip().startswith(("#   method:", "#   num_spec"))
+             else line for line in text.splitlines()]
+    config = yaml.safe_load("\n".join(lines))
+    spec = validate_serve_config(config)[0].engine.speculative
+    assert spec is not None and (spec.method, spec.num_speculative_tokens, spec.adaptive) == ("ngram", 5, True)
 
 
 def test_bad_values_are_refused():

@@ -41,7 +41,8 @@ KUBE_VERSION = "1.30.0"  # a version kubernetes-validate ships schemas for (1.25
 
 OVERRIDES = {
     "args": {"model": "/models/Llama-3.2-1B-Instruct", "served_model_name": "llama",
-             "kv_transfer": {"connector": "tcp", "host": "0.0.0.0"}},
+             "kv_transfer": {"connector": "tcp", "host": "0.0.0.0"},
+             "speculative_config": {"method": "suffix", "num_speculative_tokens": 4}},
     "prefill": {"num_replicas": 2, "max_queued_requests": 1000000,
                 "ray_actor_options": {"num_cpus": 2, "resources": {"cpu_pool": 1}}},
     "decode": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 4, "policy": {
@@ -216,6 +217,8 @@ def test_release_names_fit_kuberay():
     ({"args": {"mode": "disagregated"}}, "at '/args/mode': value must be one of"),
     ({"head": {"rayStartParams": {"num-cpus": 0}}}, "num-cpus': got number, want string"),  # KubeRay's type
     ({"grpc": {"enable": True}}, "at '/grpc': additional properties 'enable' not allowed"),
+    ({"args": {"speculative_config": {"method": "ngram", "num_spec_tokens": 3}}}, "'num_spec_tokens' not allowed"),
+    ({"args": {"speculative_config": {"method": "medusa"}}}, "speculative_config/method': value must be"),
     ({"grpc": {"enabled": True, "port": 8000}}, "at '/grpc/port'"),  # the HTTP port
 ])
 def test_schema_refuses_typos_by_name(values, message):
@@ -253,6 +256,7 @@ def test_serve_config_passes_tandems_own_validation(values):
     if values is OVERRIDES:
         assert app.engine.model.model == "/models/Llama-3.2-1B-Instruct"
         assert app.kv_transfer.connector == "tcp" and app.served_model_name == "llama"
+        assert (app.engine.speculative.method, app.engine.speculative.num_speculative_tokens) == ("suffix", 4)
     else:
         assert app.engine.model.model is None  # the built-in default model
 
