@@ -283,6 +283,30 @@ def seeded(c, model: str) -> list[str]:
         model=model, messages=QUESTION, temperature=1.0, seed=21, n=2, max_tokens=16).choices]
 
 
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+          "required": ["city", "country"]}
+
+
+def stop_and_schema(c, model: str) -> list[str]:
+    """A reply cut by a stop string, and one held to a JSON schema."""
+    stop = c.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=24, stop=["Paris"])
+    shaped = c.chat.completions.create(
+        model=model, temperature=0, max_tokens=40, messages=[{"role": "user", "content": "Where is the Eiffel Tower?"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA, "strict": True}})
+    return [stop.choices[0].message.content, shaped.choices[0].message.content]
+
+
+def spec_trace(url: str, rid: str) -> dict:
+    from serving import http_request
+
+    body = json.dumps({"model": "SmolLM2-135M-Instruct", "messages": QUESTION, "temperature": 0,
+                       "max_tokens": 24, "ignore_eos": True}).encode()
+    assert http_request(url, "POST", "/v1/chat/completions", body, {"X-Request-Id": rid})[0] == 200
+    status, _, raw = http_request(url, "GET", f"/debug/requests/{rid}")
+    assert status == 200
+    return json.loads(raw)["traces"][0]
+
+
 SPECULATING = {  # deployment → (config, its speculative_config): each connector with a method
     "colocated.yaml, ngram": ("colocated.yaml", {"method": "ngram", "prompt_lookup_min": 1}),
     "serve-tcp.yaml, suffix": ("serve-tcp.yaml", {"method": "suffix"}),
@@ -298,7 +322,7 @@ def test_greedy_identical_colocated_and_every_connector(serve_url, default_model
     connector runs with speculative decoding on (a method each), and colocated with it too: the
     same replies as colocated without it. The default model as its own draft over the
     collective connector has every greedy draft accepted: its draft KV crossed with the prompt's."""
-    outputs, sampled, landed, metrics, decode = {}, {}, {}, {}, {}
+    outputs, sampled, landed, metrics, decode, shaped = {}, {}, {}, {}, {}, {}
     budget = "serve.yaml, local_prefill_budget_ms"
     for name in ("colocated.yaml", budget, *SPECULATING):
         if name in SPECULATING:
@@ -310,15 +334,23 @@ def test_greedy_identical_colocated_and_every_connector(serve_url, default_model
         c = client(serve_url)
         outputs[name] = greedy(c, c.models.list().data[0].id)
         decode[name] = next(s for s in replica_stats(serve_url, settle_s=1.5) if s["pool"] == "decode")
+        if name in SPECULATING or name == "colocated.yaml":
+            shaped[name] = stop_and_schema(c, c.models.list().data[0].id)
+        if name in SPECULATING:  # the request's trace counts its drafts; usage counts tokens as without
+            trace = spec_trace(serve_url, f"spec-{len(shaped)}")
+            assert trace["spec_draft_tokens"] >= trace["spec_accepted_tokens"] > 0, (name, trace)
+            assert trace["completion_tokens"] == 24
         sampled[name] = seeded(c, c.models.list().data[0].id)
         landed[name] = sum(s.get("kv_landed", 0) for s in replica_stats(serve_url, settle_s=1.5))
         metrics[name] = scrape(serve_url)
     for name in (budget, *SPECULATING):
         assert outputs[name] == outputs["colocated.yaml"], name
         assert sampled[name] == sampled["colocated.yaml"], name
-        crossed = 0 if name in (budget, "colocated.yaml, ngram") else len(PROMPTS) + 2  # each prompt's KV
+        assert name == budget or shaped[name] == shaped["colocated.yaml"], name
+        crossed = 0 if name in (budget, "colocated.yaml, ngram") else len(PROMPTS) + 5  # each prompt's KV
         assert landed[name] == crossed, name
-    assert "Paris" in outputs["colocated.yaml"][0]
+    assert "Paris" in outputs["colocated.yaml"][0] and "Paris" not in shaped["colocated.yaml"][0]
+    assert json.loads(shaped["colocated.yaml"][1])["city"]
     # the decode replica timed its steps at start, and the budget is what kept every prompt there
     assert total(metrics[budget], "tandem:step_seconds_per_token", pool="decode") > 0
     assert total(metrics[budget], "tandem:local_prefills_total", pool="decode", reason="budget") == len(PROMPTS) + 2

@@ -116,12 +116,13 @@ def test_input_grounded_replies_take_fewer_steps_with_ngram(default_model_path):
 
 
 def test_preempted_speculating_requests_recompute_to_the_same_tokens(tiny_model_paths):
+    """Under the priority policy too: its victims and order work on requests with drafts."""
     folder = str(tiny_model_paths["llama"])
     prompts = [[100 + 7 * i + j for j in range(10)] * 2 for i in range(6)]  # repeats: ngram drafts
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    plain = LLM(folder, num_blocks=20, block_size=8).generate(prompts, params)
-    llm = LLM(folder, num_blocks=20, block_size=8,
-              speculative_config={"method": "ngram", "adaptive": False, "prompt_lookup_min": 1})
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, priority=i % 3) for i in range(6)]
+    engine = {"num_blocks": 20, "block_size": 8, "scheduling_policy": "priority"}
+    plain = LLM(folder, **engine).generate(prompts, params)
+    llm = LLM(folder, **engine, speculative_config={"method": "ngram", "adaptive": False, "prompt_lookup_min": 1})
     outs = llm.generate(prompts, params)
     assert replies(outs) == replies(plain)
     stats = llm.engine.stats()
