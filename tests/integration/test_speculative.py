@@ -242,3 +242,38 @@ def test_plain_acceptance_of_the_same_drafts_fails_the_same_test(tiny_model_path
     proposer = PoorProposer(least_followers(unspeculated))
     stat, dof = chi_square(unspeculated, samples(str(tiny_model_paths["llama"]), proposer))
     assert stat > chi_square_critical(dof), (stat, dof)
+
+
+# -- the draft's KV in a hand-off ---------------------------------------------------------------
+def test_a_draft_s_prompt_kv_crosses_with_the_target_s_even_of_another_shape(tiny_model_paths):
+    """A prefill engine computes the draft's prompt KV beside the target's; the payload carries
+    both (the draft's reshaped as extra layers: here 2 KV heads of 32 beside 2 of 16), and the
+    decode engine lands the draft's KV in its draft cache under the same block ids. Its layout
+    names the draft, so a pool without it, or with another, refuses the payload."""
+    target, draft = str(tiny_model_paths["llama"]), str(tiny_model_paths["mistral"])
+    spec = {"model": draft, "num_speculative_tokens": 3, "adaptive": False}
+    prefill, decode = LLM(target, speculative_config=spec).engine, LLM(target, speculative_config=spec).engine
+    plain = LLM(target).engine
+    assert prefill.kv_layout() == decode.kv_layout() != plain.kv_layout()
+    assert "+draft:mistral@" in decode.kv_layout().model
+
+    prompt = list(range(300, 341))  # 41 tokens: 3 blocks of 16
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prefill.add_request("r", prompt, params, prefill_only=True)
+    while prefill.has_unfinished_requests():
+        prefill.step()
+    handed = prefill.take_prefilled("r")
+    payload = prefill.export_kv("r")
+    assert payload.shape[0] == prefill.kv_layout().num_layers > plain.kv_layout().num_layers
+    blocks = decode.admit_remote("r", prompt, params)
+    decode.import_kv("r", payload)
+    sent, landed = prefill.speculator.proposer.runner.kv_cache, decode.speculator.proposer.runner.kv_cache
+    torch.testing.assert_close(landed[:, :, blocks], sent[:, :, handed.block_ids], rtol=0, atol=0)
+    assert sent[:, :, handed.block_ids].abs().sum() > 0
+    decode.finish_remote("r", ok=True, first_token=handed.first_token)
+    finals = {}
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            finals[out.request_id] = out.outputs[0].token_ids
+    assert finals["r"] == LLM(target).generate([prompt], params)[0].outputs[0].token_ids
+    assert decode.stats()["spec_num_draft_tokens"] > 0
