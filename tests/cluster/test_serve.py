@@ -311,7 +311,8 @@ SPECULATING = {  # deployment → (config, its speculative_config): each connect
     "colocated.yaml, ngram": ("colocated.yaml", {"method": "ngram", "prompt_lookup_min": 1}),
     "serve-tcp.yaml, suffix": ("serve-tcp.yaml", {"method": "suffix"}),
     "serve-shared-store.yaml, ngram": ("serve-shared-store.yaml", {"method": "ngram", "prompt_lookup_min": 1}),
-    "serve-collective.yaml, draft_model": ("serve-collective.yaml", {"model": None}),  # the default model itself
+    # the default model as its own draft: always drafting (adaptive would see a draft pass costs a step)
+    "serve-collective.yaml, draft_model": ("serve-collective.yaml", {"model": None, "adaptive": False}),
 }
 
 

@@ -47,3 +47,14 @@ def test_a_new_request_starts_from_the_engine_wide_acceptance_and_probes_only_wh
     for _ in range(5):
         policy.observe("new", 5, 5)  # its drafts turn out right: it speculates deeply again
     assert policy.choose(["new"], [5], 1, FIXED, PER_TOKEN) == [5]
+
+
+def test_drafting_that_costs_a_whole_step_is_not_worth_it_even_always_accepted():
+    """A draft model as large as the target (its pass costs what a step costs) saves nothing; a
+    small one (a pass of ~1/60 of a step) is worth drafting deeply."""
+    policy = DraftPolicy(max_tokens=5, adaptive=True)
+    for _ in range(5):
+        policy.observe("a", 5, 5)
+    step = FIXED + PER_TOKEN
+    assert policy.choose(["a"], [5], 1, FIXED, PER_TOKEN, drafting_s=step) == [0]
+    assert policy.choose(["a"], [5], 1, FIXED, PER_TOKEN, drafting_s=step / 60) == [5]

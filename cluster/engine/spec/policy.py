@@ -11,8 +11,8 @@ Estimates are floored at MIN_RATE, so an unlucky start does not stop a request s
 for good where drafts are cheap.
 
 A step that computes B tokens (the scheduler's plan) yields T expected tokens in C seconds; one
-more draft of worth g costs per_token and raises the step's rate T / C only when
-g / per_token > T / C. Drafts are added best first (a heap over each request's next draft, whose
+more draft of worth g costs per_token (plus, for a draft model, what drafting a token took, as
+measured) and raises the step's rate T / C only when g / cost > T / C. Drafts are added best first (a heap over each request's next draft, whose
 worth only falls with depth) while that holds: at one stream a step is bound by streaming the
 weights, a draft position costs a sliver of it, and requests speculate deeply; at many streams
 each position costs a full matmul row and drafts stop paying, so they stop by themselves.
@@ -76,13 +76,15 @@ class DraftPolicy:
         self.requests.pop(request_id, None)
 
     def choose(self, request_ids: Sequence[str], limits: Sequence[int], step_tokens: int,
-               fixed_s: float | None, per_token_s: float | None) -> list[int]:
+               fixed_s: float | None, per_token_s: float | None, drafting_s: float = 0.0) -> list[int]:
         """Draft lengths (each <= its limit and max_tokens) for the requests of a step that
-        already computes `step_tokens` tokens and yields one token per request."""
+        already computes `step_tokens` tokens and yields one token per request. `drafting_s`:
+        what proposing one draft token costs (a draft model's pass; ~0 for pattern lookups)."""
         limits = [min(k, self.max_tokens) for k in limits]
         if not self.adaptive or per_token_s is None or fixed_s is None:
             return limits
         rates = [self.rate(r) for r in request_ids]
+        cost = per_token_s + max(drafting_s, 0.0)  # one more draft: its position, and drafting it
         tokens = float(len(request_ids))  # expected tokens of the step
         seconds = max(fixed_s, 0.0) + per_token_s * step_tokens
         chosen = [0] * len(limits)
@@ -91,11 +93,11 @@ class DraftPolicy:
         while heap:
             neg_worth, i = heapq.heappop(heap)
             worth = -neg_worth
-            if worth * seconds <= per_token_s * tokens:  # g / per_token <= T / C: no gain
+            if worth * seconds <= cost * tokens:  # g / cost <= T / C: no gain
                 break
             chosen[i] += 1
             tokens += worth
-            seconds += per_token_s
+            seconds += cost
             if chosen[i] < limits[i]:
                 heapq.heappush(heap, (-worth * rates[i], i))
         return chosen

@@ -18,6 +18,7 @@ A JSON / regex constrained request's draft ends at the first token its constrain
 from __future__ import annotations
 
 import copy
+import time
 from collections import Counter
 from typing import Any, Sequence
 
@@ -28,6 +29,8 @@ from cluster.engine.spec.base import Proposer
 from cluster.engine.spec.policy import DraftPolicy
 from cluster.engine.step_cost import StepCost
 from cluster.request import Request
+
+DRAFTING_DECAY = 0.9
 
 
 class Speculator:
@@ -44,6 +47,7 @@ class Speculator:
         self.last_lengths: Counter[int] = Counter()  # draft length → requests, in the last step that chose
         self.lengths_chosen: Counter[int] = Counter()  # ... and since start
         self._cost: tuple[float, float] | None = None  # last known (fixed, per_token) fit
+        self.drafting_s = 0.0  # seconds per draft position proposed (decayed; ~0 for lookups)
 
     # -- before the step ----------------------------------------------------------------
     def draft(self, plan: StepPlan) -> StepPlan:
@@ -55,17 +59,17 @@ class Speculator:
         limits = [self._room(r) for r in reqs]
         proposals: list[list[int]] | None = None
         if self.proposer.cheap:
-            proposals = [self._allowed(r, d) for r, d in zip(reqs, self.proposer.propose(reqs, limits))]
+            proposals = [self._allowed(r, d) for r, d in zip(reqs, self._propose(reqs, limits))]
             limits = [len(p) for p in proposals]
         fit = self._fit()
         lengths = self.policy.choose([r.request_id for r in reqs], limits, plan.num_tokens,
-                                     *(fit or (None, None)))
+                                     *(fit or (None, None)), self.drafting_s)
         budget = self.max_batched_tokens - plan.num_tokens
         lengths = self._cap([min(k, len(p)) for k, p in zip(lengths, proposals)] if proposals else lengths, budget)
         # never preempts: without free blocks for its drafts, a request runs without them
         lengths = [k if k > 0 and self.blocks.allocate(r, 1 + k) else 0 for r, k in zip(reqs, lengths)]
         if proposals is None:  # a draft model drafts into the blocks just reserved
-            proposals = [self._allowed(r, d) for r, d in zip(reqs, self.proposer.propose(reqs, lengths))]
+            proposals = [self._allowed(r, d) for r, d in zip(reqs, self._propose(reqs, lengths))]
         self.last_lengths = Counter(lengths)
         self.lengths_chosen.update(lengths)
         chunks = list(plan.chunks)
@@ -79,6 +83,18 @@ class Speculator:
     def computed(self, plan: StepPlan) -> None:
         """The target computed the plan's KV; a proposer with KV of its own follows."""
         self.proposer.computed(plan.chunks)
+
+    def _propose(self, reqs: list[Request], limits: list[int]) -> list[list[int]]:
+        """The proposer's drafts, timed: `drafting_s` follows the seconds per draft position."""
+        started = time.perf_counter()
+        drafts = self.proposer.propose(reqs, limits)
+        # a draft model's passes run for every request at once: one pass per position drafted
+        positions = max((len(d) for d in drafts), default=0)
+        if positions:
+            per_position = (time.perf_counter() - started) / positions
+            self.drafting_s = per_position if self.drafting_s == 0 else (
+                DRAFTING_DECAY * self.drafting_s + (1 - DRAFTING_DECAY) * per_position)
+        return drafts
 
     def _may_draft(self, c: ScheduledChunk) -> bool:
         req = c.request
@@ -150,6 +166,7 @@ class Speculator:
             "spec_method": self.proposer.name,
             "spec_acceptance_rate": self.counters["spec_num_accepted_tokens"] / drafted if drafted else None,
             "spec_acceptance_estimate": self.policy.engine.rate,
+            "spec_drafting_s_per_position": self.drafting_s,
             "spec_lengths_last_step": {str(k): n for k, n in sorted(self.last_lengths.items())},
             "spec_lengths_chosen": {str(k): n for k, n in sorted(self.lengths_chosen.items())},
         }
