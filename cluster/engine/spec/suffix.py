@@ -32,7 +32,7 @@ MAX_MATCH = 16  # longest context matched
 MAX_OCCURRENCES = 64  # latest occurrences of the context counted, per corpus
 MIN_TOKEN_PROB = 0.1  # vLLM's suffix_decoding_min_token_prob default
 MAX_SPEC_FACTOR = 1.0  # draft length <= this x match length (vLLM's suffix_decoding_max_spec_factor)
-GLOBAL_TOKENS = 1 << 16  # recent outputs kept for the global corpus
+GLOBAL_TOKENS = 1 << 14  # recent outputs kept for the global corpus (each step scans it once per request)
 
 
 class SuffixProposer(Proposer):
@@ -71,20 +71,27 @@ class SuffixProposer(Proposer):
     def _draft(self, token_ids: list[int], k: int) -> list[int]:
         n = len(token_ids)
         own = pack(token_ids)
-        match, continuations = 0, []
-        for m in range(1, min(MAX_MATCH, n - 1) + 1):
+        end = (n - 1) * 4  # an occurrence in its own tokens must end before the last one
+
+        def occurs(m: int) -> bool:
             pattern = own[(n - m) * 4:]
-            found = [token_ids[s + m:s + m + k] for s in occurrences(own, pattern, (n - 1) * 4, MAX_OCCURRENCES)]
-            for s in occurrences(self._packed, pattern, len(self._packed), MAX_OCCURRENCES):
-                follow = self._corpus[s + m:s + m + k]
-                if SEPARATOR in follow:
-                    follow = follow[:follow.index(SEPARATOR)]
-                found.append(follow)
-            found = [f for f in found if f]
-            if not found:
-                break  # a longer context cannot occur where this one does not
-            match, continuations = m, found
-        return likeliest_path(continuations, min(k, math.ceil(MAX_SPEC_FACTOR * match)))
+            return bool(occurrences(own, pattern, end, 1) or occurrences(self._packed, pattern, len(self._packed), 1))
+
+        # a longer context cannot occur where a shorter one does not: the first miss ends the search
+        # (searching up from 1 costs one full scan, the miss; a bisection would scan on each miss)
+        lo = 0
+        while lo < min(MAX_MATCH, n - 1) and occurs(lo + 1):
+            lo += 1
+        if lo == 0:
+            return []
+        pattern = own[(n - lo) * 4:]
+        found = [token_ids[s + lo:s + lo + k] for s in occurrences(own, pattern, end, MAX_OCCURRENCES)]
+        for s in occurrences(self._packed, pattern, len(self._packed), MAX_OCCURRENCES):
+            follow = self._corpus[s + lo:s + lo + k]
+            if SEPARATOR in follow:
+                follow = follow[:follow.index(SEPARATOR)]
+            found.append(follow)
+        return likeliest_path([f for f in found if f], min(k, math.ceil(MAX_SPEC_FACTOR * lo)))
 
 
 def likeliest_path(continuations: list[list[int]], k: int) -> list[int]:
