@@ -5,7 +5,7 @@ re-plotted (`tandem bench --replot DIR/bench.json`) without the servers it measu
     itl.png         the same for inter-chunk gaps (ITL)
     throughput.png  completion tokens/s against concurrency, one line per system
     summary.png     2×2: TTFT and ITL of one workload ("mixed" when run), throughput, and
-                    ITL p50/p99 bars per workload and system (the figure the README shows)
+                    ITL p50/p99 bars per workload and system (the figure docs/operating.md shows)
 
 The dict's shape is written by cluster/bench_cli.py: `systems[name]` holds `workloads[wl]`
 (loadgen's summary plus `samples.ttft_ms` / `samples.itl_ms`) and `sweep` (a list of

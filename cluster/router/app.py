@@ -89,7 +89,7 @@ class RouterDeployment:
         arch = Architecture.from_folder(path)
         max_len = min(x for x in (model.max_model_len or arch.max_position_embeddings,
                                   arch.sliding_window or 1 << 62))
-        self.decode = decode.options(stream=True, _by_reference=False)  # streams over gRPC: cheaper (README)
+        self.decode = decode.options(stream=True, _by_reference=False)  # streams over gRPC: cheaper (docs/performance.md)
         self.stats_handle = decode
         self.api_key = self.config.api_key or os.environ.get("TANDEM_API_KEY") or None
         self.openai = OpenAIServer(self.config.served_model_name or path.name, Tokenizer(path), max_len,
