@@ -23,8 +23,15 @@ def greedy(c, model: str) -> list[str]:
                                       max_tokens=24).choices[0].message.content for p in PROMPTS]
 
 
-def test_disaggregated_app_end_to_end(serve_url):
+@pytest.fixture(scope="module")
+def disaggregated(serve_url):
+    """configs/serve.yaml deployed once for the tests that share it (each still passes alone)."""
     deploy(args_of("serve.yaml"))
+    return serve_url
+
+
+def test_disaggregated_app_end_to_end(disaggregated):
+    serve_url = disaggregated
     c = client(serve_url)
     model = c.models.list().data[0].id
     assert model == "SmolLM2-135M-Instruct"
@@ -153,7 +160,8 @@ def test_disaggregated_app_end_to_end(serve_url):
         c.chat.completions.create(model=model, messages=[])
 
 
-def test_32_concurrent_streams_then_no_blocks_in_use(serve_url):
+def test_32_concurrent_streams_then_no_blocks_in_use(disaggregated):
+    serve_url = disaggregated
     c = client(serve_url)
     model = c.models.list().data[0].id
 
@@ -176,7 +184,8 @@ def test_32_concurrent_streams_then_no_blocks_in_use(serve_url):
     assert decode["kv_landed"] >= 32  # every request's KV came over the connector
 
 
-def test_metrics_aggregate_every_replica_of_both_pools(serve_url):
+def test_metrics_aggregate_every_replica_of_both_pools(disaggregated):
+    serve_url = disaggregated
     import time
 
     c = client(serve_url)
@@ -218,7 +227,8 @@ def test_metrics_aggregate_every_replica_of_both_pools(serve_url):
                                         for (n, labels), _ in after.items())
 
 
-def test_each_request_is_traced_under_its_id(serve_url):
+def test_each_request_is_traced_under_its_id(disaggregated):
+    serve_url = disaggregated
     import glob
     import json
     import time
