@@ -30,7 +30,7 @@ def kv_layout():
 
 
 def _make_connector(name: str, layout) -> Any:
-    from cluster.kvtransfer.base import create_connector
+    from cluster.kvtransfer.connectors import create_connector
 
     # shared_store: prefaulted, as the bench preallocates the store (see bench/kvtransfer.py)
     options = {"collective": {"backend": "gloo"}, "shared_store": {"prefault": True}}.get(name, {})

@@ -23,7 +23,7 @@ class KVHost:
         from cluster.config import EngineConfig
         from cluster.decode.worker import DecodeWorker
         from cluster.engine.engine import LLMEngine
-        from cluster.kvtransfer.base import create_connector
+        from cluster.kvtransfer.connectors import create_connector
         from cluster.prefill.worker import PrefillWorker
 
         self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args))

@@ -35,7 +35,7 @@ from cluster.config import AppConfig
 from cluster.decode.worker import DecodeWorker
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import LLMEngine
-from cluster.kvtransfer.base import create_connector
+from cluster.kvtransfer.connectors import create_connector
 from cluster.kvtransfer.errors import KVTransferError
 from cluster.metrics import ITL_BUCKETS, Histogram
 from cluster.outputs import TokenDelta

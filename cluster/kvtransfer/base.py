@@ -39,7 +39,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -223,23 +223,3 @@ class KVConnector(ABC):
 
     def close(self) -> None:
         """Release sockets, threads, groups. Idempotent."""
-
-
-_REGISTRY: dict[str, Callable[..., KVConnector]] = {}
-
-
-def register(name: str) -> Callable[[type[KVConnector]], type[KVConnector]]:
-    def wrap(cls: type[KVConnector]) -> type[KVConnector]:
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-    return wrap
-
-
-def create_connector(name: str, layout: KVLayout, **options: Any) -> KVConnector:
-    """Build a registered connector by name (`shared_store`, `tcp`, `collective`)."""
-    import cluster.kvtransfer.connectors  # noqa: F401  (registers the built-in ones)
-
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown KV connector {name!r}; available: {sorted(_REGISTRY)}")
-    return _REGISTRY[name](layout, **options)

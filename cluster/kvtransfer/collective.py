@@ -34,7 +34,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from cluster.kvtransfer.base import Expected, KVConnector, register
+from cluster.kvtransfer.base import Expected, KVConnector
 from cluster.kvtransfer.errors import (KVFrameError, KVIntegrityError, KVLayoutMismatchError,
                                        KVPeerGoneError, KVTimeoutError, KVTransferError)
 from cluster.kvtransfer.mailbox import Mailbox
@@ -64,8 +64,8 @@ class _Link:
     thread: threading.Thread | None = None
 
 
-@register("collective")
 class CollectiveConnector(KVConnector):
+    name = "collective"
     zero_copy = False
     cross_node = True
     needs_ray = True

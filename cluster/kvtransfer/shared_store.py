@@ -25,13 +25,13 @@ from typing import Any
 
 import numpy as np
 
-from cluster.kvtransfer.base import Expected, KVConnector, register
+from cluster.kvtransfer.base import Expected, KVConnector
 from cluster.kvtransfer.errors import KVFrameError, KVPeerGoneError, KVTimeoutError, KVTransferError
 from cluster.kvtransfer.wire import KVHeader, KVLayout
 
 
-@register("shared_store")
 class SharedStoreConnector(KVConnector):
+    name = "shared_store"
     zero_copy = True  # same node: the decode side reads the object store's memory in place
     cross_node = True
     needs_ray = True

@@ -25,7 +25,7 @@ import msgpack
 import zmq
 
 from cluster.kvtransfer import errors
-from cluster.kvtransfer.base import Expected, KVConnector, register
+from cluster.kvtransfer.base import Expected, KVConnector
 from cluster.kvtransfer.errors import KVFrameError, KVPeerGoneError, KVTimeoutError, KVTransferError
 from cluster.kvtransfer.mailbox import Mailbox
 from cluster.kvtransfer.wire import (MAX_HEADER_BYTES, KVHeader, KVLayout, checksum, encode_trailer,
@@ -38,8 +38,8 @@ _ERRORS = {cls.kind: cls for cls in (errors.KVTimeoutError, errors.KVLayoutMisma
                                       errors.KVPeerGoneError)}
 
 
-@register("tcp")
 class TcpConnector(KVConnector):
+    name = "tcp"
     zero_copy = False
     cross_node = True
     checksum_trails = True

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 from cluster.autoscaling import QUEUED_TOKENS
 from cluster.config import AppConfig
 from cluster.engine.engine import LLMEngine
-from cluster.kvtransfer.base import create_connector
+from cluster.kvtransfer.connectors import create_connector
 from cluster.prefill.turns import Turns
 from cluster.prefill.worker import PrefillHandoff, PrefillWorker
 from cluster.router.prefix_affinity import cache_report
