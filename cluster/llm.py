@@ -14,7 +14,7 @@ from typing import Any, Iterator, Sequence, Union
 
 from cluster.config import EngineConfig
 from cluster.engine.engine import LLMEngine
-from cluster.outputs import CompletionOutput, RequestOutput
+from cluster.engine.outputs import CompletionOutput, RequestOutput
 from cluster.sampling_params import SamplingParams
 
 Prompt = Union[str, Sequence[int]]

@@ -10,7 +10,7 @@ from typing import Any
 
 from ray import serve
 
-from cluster.router.stats_board import post_forever
+from cluster.stats_board import post_forever
 
 
 class PoolReplica:

@@ -12,7 +12,7 @@ from ray.serve.handle import DeploymentHandle
 
 from cluster.config import AppConfig
 from cluster.decode.server import DecodeServer, PrefillReplicaLost
-from cluster.outputs import TokenDelta
+from cluster.engine.outputs import TokenDelta
 from cluster.pool_replica import PoolReplica, one_torch_thread
 from cluster.prefill.worker import PrefillHandoff
 from cluster.sampling_params import SamplingParams

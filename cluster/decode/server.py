@@ -38,9 +38,9 @@ from cluster.engine.engine import LLMEngine
 from cluster.kvtransfer.connectors import create_connector
 from cluster.kvtransfer.errors import KVTransferError
 from cluster.metrics import ITL_BUCKETS, Histogram
-from cluster.outputs import TokenDelta
+from cluster.engine.outputs import TokenDelta
 from cluster.prefill.worker import PrefillHandoff
-from cluster.router.prefix_affinity import cache_report
+from cluster.cache_report import cache_report
 from cluster.sampling_params import SamplingParams
 
 

@@ -20,7 +20,7 @@ import torch
 from cluster.engine.engine import LLMEngine
 from cluster.kvtransfer.base import KVConnector
 from cluster.kvtransfer.errors import KVTransferError
-from cluster.outputs import RequestOutput
+from cluster.engine.outputs import RequestOutput
 from cluster.prefill.worker import PrefillHandoff
 from cluster.sampling_params import SamplingParams
 

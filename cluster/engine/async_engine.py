@@ -21,7 +21,7 @@ import time
 from typing import Any, AsyncIterator, Callable, TypeVar
 
 from cluster.engine.engine import LLMEngine
-from cluster.outputs import RequestOutput
+from cluster.engine.outputs import RequestOutput
 
 T = TypeVar("T")
 

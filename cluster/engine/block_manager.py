@@ -23,7 +23,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from cluster.request import Request
+    from cluster.engine.request import Request
 
 _ROOT = b"tandem-prefix-v1"
 

@@ -33,8 +33,8 @@ from cluster.engine.tokenizer import Tokenizer
 from cluster.kvtransfer.wire import KVLayout
 from cluster.models.architecture import Architecture
 from cluster.models.loader import resolve_model_path
-from cluster.outputs import CompletionOutput, PrefillResult, RequestOutput, TokenLogprobs
-from cluster.request import Request, RequestStatus
+from cluster.engine.outputs import CompletionOutput, PrefillResult, RequestOutput, TokenLogprobs
+from cluster.engine.request import Request, RequestStatus
 from cluster.sampling_params import SamplingParams
 
 

@@ -18,8 +18,8 @@ from cluster.engine.scheduler import ScheduledChunk, StepPlan
 from cluster.models.architecture import Architecture
 from cluster.models.attention import AttentionMetadata, PrefillChunk, cpu_decode_index, cpu_verify_index
 from cluster.models.loader import load_model
-from cluster.outputs import TokenLogprobs
-from cluster.request import Request
+from cluster.engine.outputs import TokenLogprobs
+from cluster.engine.request import Request
 from kernels import ops_for
 
 PROMPT_LOGPROB_ROWS = 256  # prompt positions per LM-head pass (256 x 49k vocab fp32 = 50 MB of logits)

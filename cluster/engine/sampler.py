@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 
 from cluster.engine.json_mode import JsonConstraint
-from cluster.outputs import Logprob
+from cluster.engine.outputs import Logprob
 from cluster.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
 
 __all__ = ["Logprob", "SampleResult", "sample", "score_tokens"]

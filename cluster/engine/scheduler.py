@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from cluster.config import SchedulerConfig
 from cluster.engine.block_manager import BlockManager
-from cluster.request import Request, RequestStatus
+from cluster.engine.request import Request, RequestStatus
 
 MAX_DEFERRED = 64  # waiting requests passed over in one step while their shared blocks compute
 

@@ -21,7 +21,7 @@ from cluster.engine.engine import LLMEngine
 from cluster.kvtransfer.connectors import create_connector
 from cluster.prefill.turns import Turns
 from cluster.prefill.worker import PrefillHandoff, PrefillWorker
-from cluster.router.prefix_affinity import cache_report
+from cluster.cache_report import cache_report
 from cluster.sampling_params import SamplingParams
 
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 from cluster.engine.engine import LLMEngine
 from cluster.kvtransfer.base import KVConnector
 from cluster.kvtransfer.errors import KVTransferError
-from cluster.outputs import TokenLogprobs
+from cluster.engine.outputs import TokenLogprobs
 from cluster.sampling_params import SamplingParams
 
 

@@ -35,7 +35,7 @@ from cluster.decode.deployment import DecodeDeployment
 from cluster.engine.tokenizer import Tokenizer
 from cluster.models.architecture import Architecture
 from cluster.models.loader import resolve_model_path
-from cluster.outputs import TokenDelta
+from cluster.engine.outputs import TokenDelta
 from cluster.prefill.deployment import PrefillDeployment
 from cluster.router import grpc_api, tokenize_api
 from cluster.router.migration import migrating
@@ -47,7 +47,7 @@ from cluster.router.errors import APIError
 from cluster.router import request_log  # its ContextVar cannot be pickled: referenced via the module
 from cluster.router.request_log import REQUEST_ID, RequestLog, configure_trace_logging
 from cluster.router.request_routers import ROUTING_STATS_PERIOD_S
-from cluster.router.stats_board import board, post_forever
+from cluster.stats_board import board, post_forever
 from cluster.sampling_params import SamplingParams
 
 POOL_WATCH_PERIOD_S = 1.0

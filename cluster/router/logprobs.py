@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Callable
 
-from cluster.outputs import Logprob, TokenLogprobs
+from cluster.engine.outputs import Logprob, TokenLogprobs
 
 Piece = Callable[[int], str]  # a token id's text
 

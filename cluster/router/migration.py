@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, AsyncIterator, Callable
 
-from cluster.outputs import TokenDelta
+from cluster.engine.outputs import TokenDelta
 from cluster.sampling_params import SamplingParams
 
 StartFn = Callable[[str, list[int], SamplingParams], Any]  # → an async iterator of list[TokenDelta]

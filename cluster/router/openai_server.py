@@ -27,7 +27,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Callable, NamedTuple
 
-from cluster.outputs import TokenDelta, TokenLogprobs
+from cluster.engine.outputs import TokenDelta, TokenLogprobs
 from cluster.router.logprobs import echo_entries, openai_logprobs, vllm_prompt_logprobs
 from cluster.router.errors import APIError, parse_body
 from cluster.router.protocol import ChatCompletionRequest, ChatPrompt, CompletionRequest

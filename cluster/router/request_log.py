@@ -26,7 +26,7 @@ from collections import Counter, OrderedDict, deque
 from typing import Any, AsyncIterator
 
 from cluster.metrics import E2E_BUCKETS, TTFT_BUCKETS, Histogram
-from cluster.outputs import TokenDelta
+from cluster.engine.outputs import TokenDelta
 
 logger = logging.getLogger("tandem.trace")
 KEEP_TRACES = 2048

@@ -7,7 +7,7 @@ import asyncio
 import time
 from typing import Any, AsyncIterator
 
-from cluster.outputs import TokenDelta
+from cluster.engine.outputs import TokenDelta
 from cluster.router.errors import APIError
 
 

@@ -11,7 +11,7 @@ from cluster.engine.scheduler import Scheduler
 from cluster.engine.spec.base import Proposer
 from cluster.engine.spec.speculator import Speculator
 from cluster.engine.step_cost import StepCost
-from cluster.request import Request
+from cluster.engine.request import Request
 from cluster.sampling_params import SamplingParams
 
 _ids = itertools.count()

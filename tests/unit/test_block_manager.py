@@ -4,7 +4,7 @@ import pytest
 from builders import make_request, make_scheduler, make_speculator, run_spec_step, run_step
 
 from cluster.engine.block_manager import BlockManager
-from cluster.request import RequestStatus
+from cluster.engine.request import RequestStatus
 
 
 def test_allocation_covers_tokens_and_free_returns_every_block():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from cluster.outputs import TokenDelta
+from cluster.engine.outputs import TokenDelta
 from cluster.router.migration import migrating
 from cluster.sampling_params import SamplingParams
 

@@ -12,7 +12,9 @@ from ray.serve.request_router import PendingRequest
 
 from cluster.engine.block_manager import BlockManager
 from cluster.router import prefix_affinity
-from cluster.router.prefix_affinity import CacheViews, QueueView, cache_report
+from cluster import cache_report as reports
+from cluster.cache_report import cache_report
+from cluster.router.prefix_affinity import CacheViews, QueueView
 from cluster.router.request_routers import DecodeRouter, PrefillRouter
 from cluster.sampling_params import SamplingParams
 
@@ -56,9 +58,9 @@ def test_the_report_lists_blocks_in_use_then_the_last_to_be_evicted_up_to_the_li
     live = cached_request(bm, [3] * 9, keep=True)
     assert bm.cached_hashes(10) == live.block_hashes + new.block_hashes + old.block_hashes
     assert bm.cached_hashes(3) == live.block_hashes + new.block_hashes[:1]
-    monkeypatch.setattr(prefix_affinity, "DIGEST_LIMIT", 4)
+    monkeypatch.setattr(reports, "DIGEST_LIMIT", 4)
     report = cache_report(bm)
-    assert len(report["cached_blocks"]) == 4 * prefix_affinity.HASH_BYTES
+    assert len(report["cached_blocks"]) == 4 * reports.HASH_BYTES
     assert held(report, [2] * 9) == 8 and held(report, [1] * 9) == 0
     assert cache_report(BlockManager(8, BS, enable_prefix_caching=False)) == {}
 

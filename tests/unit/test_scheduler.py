@@ -2,7 +2,7 @@ import pytest
 
 from builders import make_request, make_scheduler, run_step
 
-from cluster.request import RequestStatus
+from cluster.engine.request import RequestStatus
 
 
 def test_decodes_and_new_prefills_share_a_step_within_the_token_budget():

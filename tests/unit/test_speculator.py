@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from builders import ScriptedProposer, make_request, make_scheduler, make_speculator, run_step
 
-from cluster.request import RequestStatus
+from cluster.engine.request import RequestStatus
 
 
 def decoding(sched, prompt_len=7, **params):

@@ -34,7 +34,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, ClassVar, Sequence
 
-from cluster.request import Request
+from cluster.engine.request import Request
 
 if TYPE_CHECKING:
     from cluster.engine.scheduler import ScheduledChunk

@@ -29,7 +29,7 @@ from cluster.engine.spec.base import Proposer
 from cluster.engine.tokenizer import Tokenizer
 from cluster.models.architecture import Architecture
 from cluster.models.loader import resolve_model_path
-from cluster.request import Request
+from cluster.engine.request import Request
 
 if TYPE_CHECKING:
     from cluster.engine.engine import LLMEngine

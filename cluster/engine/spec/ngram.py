@@ -10,7 +10,7 @@ from typing import Sequence
 from cluster.config import SpeculativeConfig
 from cluster.engine.spec.base import Proposer
 from cluster.engine.spec.lookup import occurrences, pack
-from cluster.request import Request
+from cluster.engine.request import Request
 
 
 class NgramProposer(Proposer):

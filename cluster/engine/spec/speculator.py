@@ -28,7 +28,7 @@ from cluster.engine.scheduler import ScheduledChunk, StepPlan
 from cluster.engine.spec.base import Proposer
 from cluster.engine.spec.policy import DraftPolicy
 from cluster.engine.step_cost import StepCost
-from cluster.request import Request
+from cluster.engine.request import Request
 
 DRAFTING_DECAY = 0.9
 

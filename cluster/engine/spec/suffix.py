@@ -26,7 +26,7 @@ from typing import Sequence
 from cluster.config import SpeculativeConfig
 from cluster.engine.spec.base import Proposer
 from cluster.engine.spec.lookup import SEPARATOR, occurrences, pack
-from cluster.request import Request
+from cluster.engine.request import Request
 
 MAX_MATCH = 16  # longest context matched
 MAX_OCCURRENCES = 64  # latest occurrences of the context counted, per corpus

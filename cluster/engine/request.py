@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from cluster.engine.json_mode import JsonConstraint
-from cluster.outputs import TokenLogprobs
+from cluster.engine.outputs import TokenLogprobs
 from cluster.sampling_params import SamplingParams
 
 
