@@ -51,12 +51,10 @@ def _rows(c: ScheduledChunk) -> list[_Row]:
     if not c.num_drafts:
         return [_Row(req, req.output_token_ids, req.constraint, None)]
     out, drafts = req.output_token_ids, list(c.draft_token_ids)
-    rows = []
+    rows, constraint = [], req.constraint
     for j in range(len(drafts) + 1):
-        constraint = req.constraint
-        if constraint is not None and j:
-            constraint = copy.copy(constraint)  # the request's own stays where its output is
-            constraint.sync(out)
+        if constraint is not None and j:  # the request's own stays where its output is
+            constraint = copy.copy(constraint)  # the row before's, advanced by one draft
             constraint.sync(out + drafts[:j])
         rows.append(_Row(req, out + drafts[:j], constraint, drafts[j] if j < len(drafts) else None))
     return rows

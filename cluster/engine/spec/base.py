@@ -2,7 +2,7 @@
 
 A proposer drafts tokens that may continue a running request; the target model scores them in
 the same forward pass as the other requests' tokens (engine/spec/speculator.py plans it,
-engine/verifier.py accepts or rejects), so every accepted draft token is a token won without a
+sampler._choose_verifying accepts or rejects), so every accepted draft token is a token won without a
 step of its own.
 
 Who calls what (the engine thread, nothing else):
@@ -20,7 +20,7 @@ Who calls what (the engine thread, nothing else):
 
 Contract:
 - Drafts are a deterministic function of what the proposer was given (a point mass): the
-  verifier's exactness under sampling rests on it (engine/verifier.py).
+  verifier's exactness under sampling rests on it (engine/sampler.py: `_choose_verifying`).
 - State is rebuilt from token ids: a request never seen before (a preempted one recomputed, a
   stream migrated from another replica, a prompt prefilled on another pool) is proposed for
   from `token_ids` alone, so nothing new crosses the KV connector.

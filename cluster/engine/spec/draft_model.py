@@ -11,7 +11,7 @@ prefill replica carries the draft's part beside the target's (engine.export_kv /
 prefill (vLLM #54926).
 
 Drafts are greedy (the draft's argmax): a point mass, which the verifier's rejection sampling
-keeps exact for sampled requests too (engine/verifier.py in sampler.py: `_choose_verifying`).
+keeps exact for sampled requests too (engine/sampler.py: `_choose_verifying`).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ what came of it (plain values, no torch).
     engine.step():  plan = scheduler.schedule()          # one token per decoding request
                     plan = speculator.draft(plan)        # some decode chunks gain drafts
                     result = runner.execute(plan)        # every position of a chunk sampled;
-                                                         # drafts verified (engine/verifier.py)
+                                                         # drafts verified (sampler._choose_verifying)
                     scheduler.update(plan, result)       # accepted drafts + 1 token appended,
                                                          # blocks of rejected ones freed
                     speculator.observe(plan, result)     # acceptance, counters
@@ -65,7 +65,9 @@ class Speculator:
         lengths = self.policy.choose([r.request_id for r in reqs], limits, plan.num_tokens,
                                      *(fit or (None, None)), self.drafting_s)
         budget = self.max_batched_tokens - plan.num_tokens
-        lengths = self._cap([min(k, len(p)) for k, p in zip(lengths, proposals)] if proposals else lengths, budget)
+        if proposals is not None:
+            lengths = [min(k, len(p)) for k, p in zip(lengths, proposals)]
+        lengths = self._cap(lengths, budget)
         # never preempts: without free blocks for its drafts, a request runs without them
         lengths = [k if k > 0 and self.blocks.allocate(r, 1 + k) else 0 for r, k in zip(reqs, lengths)]
         if proposals is None:  # a draft model drafts into the blocks just reserved
@@ -114,12 +116,12 @@ class Speculator:
         """A constrained request's draft, cut at the first token its constraint refuses."""
         if req.constraint is None or not draft:
             return draft
-        probe = copy.copy(req.constraint)
-        probe.sync(req.output_token_ids)
+        probe, out = copy.copy(req.constraint), req.output_token_ids
+        probe.sync(out)
         for i, token in enumerate(draft):
             if not probe.allows(token):
                 return draft[:i]
-            probe.sync([*req.output_token_ids, *draft[:i + 1]])
+            probe.sync(out + draft[:i + 1])  # feeds the one new token
         return draft
 
     @staticmethod
