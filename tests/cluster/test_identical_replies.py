@@ -1,0 +1,108 @@
+"""The same replies wherever they are made: colocated, disaggregated over each connector,
+prefilled on the decode replica by budget, and with speculative decoding on (a method per
+connector). A local Ray, Ray Serve apps built from configs/, HTTP through the `openai` SDK."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from serving import args_of, client, deploy, replica_stats, scrape, total
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPTS = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea."]
+
+
+def greedy(c, model: str) -> list[str]:
+    return [c.chat.completions.create(model=model, messages=[{"role": "user", "content": p}], temperature=0,
+                                      max_tokens=24).choices[0].message.content for p in PROMPTS]
+
+
+def seeded(c, model: str) -> list[str]:
+    return [ch.message.content for ch in c.chat.completions.create(
+        model=model, messages=QUESTION, temperature=1.0, seed=21, n=2, max_tokens=16).choices]
+
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+          "required": ["city", "country"]}
+
+
+def stop_and_schema(c, model: str) -> list[str]:
+    """A reply cut by a stop string, and one held to a JSON schema."""
+    stop = c.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=24, stop=["Paris"])
+    shaped = c.chat.completions.create(
+        model=model, temperature=0, max_tokens=40, messages=[{"role": "user", "content": "Where is the Eiffel Tower?"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA, "strict": True}})
+    return [stop.choices[0].message.content, shaped.choices[0].message.content]
+
+
+def spec_trace(url: str, rid: str) -> dict:
+    from serving import http_request
+
+    body = json.dumps({"model": "SmolLM2-135M-Instruct", "messages": QUESTION, "temperature": 0,
+                       "max_tokens": 24, "ignore_eos": True}).encode()
+    assert http_request(url, "POST", "/v1/chat/completions", body, {"X-Request-Id": rid})[0] == 200
+    status, _, raw = http_request(url, "GET", f"/debug/requests/{rid}")
+    assert status == 200
+    return json.loads(raw)["traces"][0]
+
+
+SPECULATING = {  # deployment → (config, its speculative_config): each connector with a method
+    "colocated.yaml, ngram": ("colocated.yaml", {"method": "ngram", "prompt_lookup_min": 1}),
+    "serve-tcp.yaml, suffix": ("serve-tcp.yaml", {"method": "suffix"}),
+    "serve-shared-store.yaml, ngram": ("serve-shared-store.yaml", {"method": "ngram", "prompt_lookup_min": 1}),
+    # the default model as its own draft: always drafting (adaptive would see a draft pass costs a step)
+    "serve-collective.yaml, draft_model": ("serve-collective.yaml", {"model": None, "adaptive": False}),
+}
+
+
+def test_greedy_identical_colocated_and_every_connector(serve_url, default_model_path):
+    """And sampled with a seed: a seed gives the same replies wherever the first token is drawn.
+    Also with conditional disaggregation by time: a budget that takes these short prompts has
+    the decode replica prefill them, the same replies, nothing crossing a connector. Every
+    connector runs with speculative decoding on (a method each), and colocated with it too: the
+    same replies as colocated without it. The default model as its own draft over the
+    collective connector has every greedy draft accepted: its draft KV crossed with the prompt's."""
+    outputs, sampled, landed, metrics, decode, shaped = {}, {}, {}, {}, {}, {}
+    budget = "serve.yaml, local_prefill_budget_ms"
+    for name in ("colocated.yaml", budget, *SPECULATING):
+        if name in SPECULATING:
+            file, spec = SPECULATING[name]
+            spec = {**spec, "model": str(default_model_path)} if "model" in spec else spec
+            deploy({**args_of(file), "speculative_config": spec})
+        else:
+            deploy({**args_of("serve.yaml"), "local_prefill_budget_ms": 5000} if name == budget else args_of(name))
+        c = client(serve_url)
+        outputs[name] = greedy(c, c.models.list().data[0].id)
+        decode[name] = next(s for s in replica_stats(serve_url, settle_s=1.5) if s["pool"] == "decode")
+        if name in SPECULATING or name == "colocated.yaml":
+            shaped[name] = stop_and_schema(c, c.models.list().data[0].id)
+        if name in SPECULATING:  # the request's trace counts its drafts; usage counts tokens as without
+            trace = spec_trace(serve_url, f"spec-{len(shaped)}")
+            assert trace["spec_draft_tokens"] >= trace["spec_accepted_tokens"] > 0, (name, trace)
+            assert trace["completion_tokens"] == 24
+        sampled[name] = seeded(c, c.models.list().data[0].id)
+        landed[name] = sum(s.get("kv_landed", 0) for s in replica_stats(serve_url, settle_s=1.5))
+        metrics[name] = scrape(serve_url)
+    for name in (budget, *SPECULATING):
+        assert outputs[name] == outputs["colocated.yaml"], name
+        assert sampled[name] == sampled["colocated.yaml"], name
+        assert name == budget or shaped[name] == shaped["colocated.yaml"], name
+        crossed = 0 if name in (budget, "colocated.yaml, ngram") else len(PROMPTS) + 5  # each prompt's KV
+        assert landed[name] == crossed, name
+    assert "Paris" in outputs["colocated.yaml"][0] and "Paris" not in shaped["colocated.yaml"][0]
+    assert json.loads(shaped["colocated.yaml"][1])["city"]
+    # the decode replica timed its steps at start, and the budget is what kept every prompt there
+    assert total(metrics[budget], "tandem:step_seconds_per_token", pool="decode") > 0
+    assert total(metrics[budget], "tandem:local_prefills_total", pool="decode", reason="budget") == len(PROMPTS) + 2
+    assert total(metrics[budget], "vllm:prompt_tokens_total", pool="prefill") == 0
+    for name in SPECULATING:  # drafts were verified, and vLLM's metrics say so
+        assert total(metrics[name], "vllm:spec_decode_num_draft_tokens_total", pool="decode") > 0, name
+        assert total(metrics[name], "vllm:spec_decode_num_accepted_tokens_total", pool="decode") > 0, name
+        assert total(metrics[name], "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0") > 0, name
+    draft = decode["serve-collective.yaml, draft_model"]
+    assert draft["spec_num_draft_tokens"] > 10
+    assert draft["spec_num_accepted_tokens"] == draft["spec_num_draft_tokens"]
