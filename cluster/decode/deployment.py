@@ -11,8 +11,9 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from cluster.config import AppConfig
-from cluster.decode.server import DecodeServer, PrefillReplicaLost
+from cluster.decode.server import DecodeServer
 from cluster.engine.outputs import TokenDelta
+from cluster.handoff import PrefillReplicaLost
 from cluster.pool_replica import PoolReplica, one_torch_thread
 from cluster.prefill.worker import PrefillHandoff
 from cluster.sampling_params import SamplingParams

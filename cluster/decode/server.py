@@ -35,6 +35,7 @@ from cluster.config import AppConfig
 from cluster.decode.worker import DecodeWorker
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import LLMEngine
+from cluster.handoff import PrefillFailed, PrefillReplicaLost
 from cluster.kvtransfer.connectors import create_connector
 from cluster.kvtransfer.errors import KVTransferError
 from cluster.metrics import ITL_BUCKETS, Histogram
@@ -52,14 +53,6 @@ class PrefillClient(Protocol):
                       receiver: dict[str, Any]) -> PrefillHandoff: ...
 
     async def ack(self, handoff: PrefillHandoff) -> None: ...
-
-
-class PrefillReplicaLost(RuntimeError):
-    """The prefill replica died before answering (a `PrefillClient` raises it): worth a retry."""
-
-
-class PrefillFailed(RuntimeError):
-    """The prefill pool could not produce R's first token and the policy is `fail`."""
 
 
 class DecodeServer:

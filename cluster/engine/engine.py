@@ -32,7 +32,7 @@ from cluster.engine.schema_compiler import schema_recognizer
 from cluster.engine.tokenizer import Tokenizer
 from cluster.kvtransfer.wire import KVLayout
 from cluster.models.architecture import Architecture
-from cluster.models.loader import resolve_model_path
+from cluster.models.default_model import resolve_model_path
 from cluster.engine.outputs import CompletionOutput, PrefillResult, RequestOutput, TokenLogprobs
 from cluster.engine.request import Request, RequestStatus
 from cluster.sampling_params import SamplingParams

@@ -56,6 +56,18 @@ def ensure_default_model(cache: str | os.PathLike[str] | None = None, progress: 
     return target
 
 
+def resolve_model_path(model: str | None, cache_dir: str | None = None) -> Path:
+    """None → the default model (converted on first use); otherwise a local HF folder."""
+    if model is None:
+        return ensure_default_model(cache_dir)
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model {model!r} is not a local HF folder with config.json "
+            "(Tandem never downloads; pass a folder, or omit --model for the default)")
+    return path
+
+
 def convert_gguf(src: Path, target: Path, progress: bool = True) -> Path:
     """Dequantize a GGUF file into an HF folder (config, safetensors, tokenizer, chat template).
 

@@ -16,20 +16,6 @@ from kernels import KernelOps
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def resolve_model_path(model: str | None, cache_dir: str | None = None) -> Path:
-    """None → the default model (converted on first use); otherwise a local HF folder."""
-    if model is None:
-        from cluster.models.default_model import ensure_default_model
-
-        return ensure_default_model(cache_dir)
-    path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"model {model!r} is not a local HF folder with config.json "
-            "(Tandem never downloads; pass a folder, or omit --model for the default)")
-    return path
-
-
 def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():

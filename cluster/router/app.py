@@ -31,12 +31,10 @@ from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
 from cluster.config import AppConfig
-from cluster.decode.deployment import DecodeDeployment
 from cluster.engine.tokenizer import Tokenizer
 from cluster.models.architecture import Architecture
-from cluster.models.loader import resolve_model_path
+from cluster.models.default_model import resolve_model_path
 from cluster.engine.outputs import TokenDelta
-from cluster.prefill.deployment import PrefillDeployment
 from cluster.router import grpc_api, tokenize_api
 from cluster.router.migration import migrating
 from cluster.router.edges import (ClosingStream, HeaderLimits, as_api_error, error_response, read_json,
@@ -322,7 +320,12 @@ class RouterDeployment:
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
-    """Serve's app builder: validates `args` (unknown keys are errors) and wires the pools."""
+    """Serve's app builder: validates `args` (unknown keys are errors) and wires the pools.
+    The pools' deployments are imported here, not at the top: a router replica loads this
+    module and never needs the engine (nor torch)."""
+    from cluster.decode.deployment import DecodeDeployment
+    from cluster.prefill.deployment import PrefillDeployment
+
     config = AppConfig.from_args(args)
     raw = dict(args or {})
     stats_period = {"request_routing_stats_period_s": ROUTING_STATS_PERIOD_S,

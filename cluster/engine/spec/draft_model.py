@@ -28,7 +28,7 @@ from cluster.engine.scheduler import ScheduledChunk
 from cluster.engine.spec.base import Proposer
 from cluster.engine.tokenizer import Tokenizer
 from cluster.models.architecture import Architecture
-from cluster.models.loader import resolve_model_path
+from cluster.models.default_model import resolve_model_path
 from cluster.engine.request import Request
 
 if TYPE_CHECKING:
