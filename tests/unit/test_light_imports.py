@@ -1,0 +1,76 @@
+"""What the light entry points load, in a fresh interpreter each: the CLI and the Serve entry
+points never load matplotlib (only `tandem bench` plots), and the router's modules run no
+`import torch` of ours (a router replica holds no engine)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+ROUTER_MODULES = sorted(f"cluster.router.{p.stem}" for p in (REPO / "cluster" / "router").glob("*.py")
+                        if not p.stem.startswith("tandem_pb2"))
+ENTRY_POINTS = ["cluster.cli", "cluster.serve_config", "cluster.router.app", "cluster.prefill.deployment",
+                "cluster.decode.deployment", "cluster.llm"]
+
+# Third-party packages that import torch themselves, and the modules of ours allowed to load
+# them in a router: transformers is the router's tokenizer and chat template (no torch-free
+# tokenizer yet); xgrammar compiles structured-output grammars (issue 31 moves structured
+# output onto it, through router/structured.py).
+TORCH_BRINGERS = {"transformers": {"cluster.engine.tokenizer"},
+                  "xgrammar": {"cluster.router.structured", "cluster.router.tools", "cluster.router.protocol",
+                               "cluster.engine.tokenizer"}}
+
+PROBE = r"""
+import builtins, json, sys
+watched = ("torch", "matplotlib") + tuple(json.loads(sys.argv[2]))
+callers = {name: set() for name in watched}
+real_import = builtins.__import__
+
+def recording_import(name, globals=None, locals=None, fromlist=(), level=0):
+    top = name.split(".")[0] if not level else ""
+    caller = (globals or {}).get("__name__", "")
+    if top in callers and caller.startswith("cluster"):
+        callers[top].add(caller)
+    return real_import(name, globals, locals, fromlist, level)
+
+builtins.__import__ = recording_import
+import importlib
+for module in sys.argv[1].split(","):
+    importlib.import_module(module)
+print(json.dumps({"callers": {k: sorted(v) for k, v in callers.items()},
+                  "loaded": sorted(m for m in sys.modules if m.split(".")[0] in watched)}))
+"""
+
+
+def load(modules: list[str]) -> dict:
+    """Import `modules` in a fresh interpreter: which of our modules import torch, matplotlib or
+    a TORCH_BRINGERS package, and which of those are loaded at the end."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", PROBE, ",".join(modules), json.dumps(list(TORCH_BRINGERS))],
+                         capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("module", ENTRY_POINTS)
+def test_the_entry_points_do_not_load_matplotlib(module):
+    got = load([module])
+    assert not got["callers"]["matplotlib"], got["callers"]["matplotlib"]
+    assert "matplotlib" not in got["loaded"]
+
+
+def test_the_router_modules_import_no_torch_of_their_own():
+    """No module the router loads says `import torch`; torch comes in only through the
+    packages in TORCH_BRINGERS, each loaded only by the module of ours allowed to."""
+    got = load(ROUTER_MODULES)
+    assert got["callers"]["torch"] == [], f"router-side modules importing torch: {got['callers']['torch']}"
+    for package, allowed in TORCH_BRINGERS.items():
+        extra = set(got["callers"][package]) - allowed
+        assert not extra, f"{package} (which imports torch) loaded by {sorted(extra)}"
