@@ -27,6 +27,24 @@ async def drain(stream) -> list[dict]:
     return out
 
 
+def idle(decode: dict, prefill: dict) -> bool:
+    return (decode["blocks_in_use"] == 0 and decode["num_running"] == 0 and decode["num_waiting"] == 0
+            and prefill["blocks_in_use"] == 0 and prefill.get("leases", 0) == 0)
+
+
+async def settled(stack, timeout_s: float = 10.0) -> tuple[dict, dict]:
+    """The decode and prefill servers' stats once both hold nothing (or when `timeout_s` is up,
+    for the caller's assertions to say what is left): an aborted request is freed on the
+    engine's next step, not at once."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        stats = await stack["decode"].stats(), await stack["prefill"].stats()
+        if idle(*stats) or loop.time() > deadline:
+            return stats
+        await asyncio.sleep(0.01)
+
+
 @contextlib.contextmanager
 def serving_stack(model_path: str, engine: dict, client_for=None, app: dict | None = None):
     """A prefill and a decode server (disaggregated), a colocated decode server, and an OpenAI

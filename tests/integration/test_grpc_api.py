@@ -16,6 +16,7 @@ from cluster.router import grpc_api
 from cluster.router import tandem_pb2 as pb
 from cluster.router.openai_server import OpenAIServer
 from cluster.router.errors import APIError
+from openai_helpers import settled
 
 MODEL = "tiny"  # the served name of the `stack` fixture (tests/integration/conftest.py)
 QUESTION = "Say something."
@@ -50,11 +51,6 @@ def choices(messages: list) -> dict[int, dict]:
         c["finish"] = m.finish_reason or None
         c["stop"] = m.WhichOneof("stop_reason") and getattr(m, m.WhichOneof("stop_reason"))
     return out
-
-
-async def idle(stack) -> tuple[dict, dict]:
-    await asyncio.sleep(0.3)
-    return await stack["decode"].stats(), await stack["prefill"].stats()
 
 
 def test_greedy_chat_streams_the_http_answer_with_usage(stack):
@@ -334,7 +330,7 @@ def test_a_stream_closed_early_or_past_its_deadline_frees_everything(stack):
         stream = grpc_api.generate(stack["disagg"], chat_request(**long), None)
         got = [await stream.__anext__() for _ in range(3)]
         await stream.aclose()  # what Serve does when the client cancels
-        return got, await idle(stack)
+        return got, await settled(stack)
 
     got, (d, p) = run(closed_early())
     assert len(got) == 3 and not any(m.finish_reason for m in got)
@@ -343,7 +339,7 @@ def test_a_stream_closed_early_or_past_its_deadline_frees_everything(stack):
     async def past_deadline():
         with pytest.raises(APIError) as info:
             await collect(stack["disagg"], chat_request(**long), timeout_s=0.3)
-        return info.value, await idle(stack)
+        return info.value, await settled(stack)
 
     err, (d, p) = run(past_deadline())
     assert err.status == 408 and grpc_api.status_code(err) == grpc.StatusCode.DEADLINE_EXCEEDED

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from cluster.router.errors import APIError
-from openai_helpers import MODEL, chat, drain, run
+from openai_helpers import MODEL, chat, drain, run, settled
 
 
 def test_greedy_disaggregated_equals_colocated_and_blocks_return(stack):
@@ -110,8 +110,7 @@ def test_client_gone_mid_stream_frees_blocks(stack):
             if got == 3:
                 break
         await stream.aclose()
-        await asyncio.sleep(0.3)
-        return await stack["decode"].stats(), await stack["prefill"].stats()
+        return await settled(stack)
 
     dstats, pstats = run(go())
     assert dstats["blocks_in_use"] == 0 and dstats["num_running"] == 0

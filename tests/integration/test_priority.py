@@ -64,11 +64,10 @@ def test_disaggregated_the_prefill_replica_takes_the_lowest_value_next(pools):
     async def go():
         async with prefill.turns.turn():  # the replica is busy while three requests arrive
             tasks = []
-            for priority in (5, 5, -3):
+            for i, priority in enumerate((5, 5, -3)):
                 tasks.append(asyncio.create_task(pools["disagg"].chat(chat(priority=priority, **SHORT))))
-                await asyncio.sleep(0.05)
-            while prefill.turns.waiting < 3:
-                await asyncio.sleep(0.01)
+                while prefill.turns.waiting <= i:  # in line before the next one is sent
+                    await asyncio.sleep(0.01)
             prefilled.clear()
         replies = await asyncio.gather(*tasks)
         return [r["id"] for r in replies], list(prefilled), await pools["decode"].stats(), await prefill.stats()

@@ -4,7 +4,7 @@ them once."""
 
 from __future__ import annotations
 
-from openai_helpers import chat, run
+from openai_helpers import chat, run, settled
 
 
 def test_n_samples_of_one_prompt_send_its_kv_once_and_hold_it_once(stack):
@@ -44,13 +44,14 @@ def test_a_sample_cancelled_while_it_waits_for_its_sibling_leaves_nothing_behind
     from cluster.sampling_params import SamplingParams
 
     decode, prefill = stack["decode"], stack["prefill"]
+    gate = asyncio.Event()  # the first one's prefill waits here, so the second one waits on it
 
-    class SlowPrefill(LocalPrefillClient):
+    class GatedPrefill(LocalPrefillClient):
         async def prefill(self, *args, **kwargs):
-            await asyncio.sleep(0.5)
+            await gate.wait()
             return await super().prefill(*args, **kwargs)
 
-    client = SlowPrefill(prefill)
+    client = GatedPrefill(prefill)
     prompt = list(range(200, 300))
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     waits = decode.counters["same_prompt_waits"]
@@ -61,12 +62,15 @@ def test_a_sample_cancelled_while_it_waits_for_its_sibling_leaves_nothing_behind
     async def go():
         first = asyncio.ensure_future(drain("first"))
         second = asyncio.ensure_future(drain("second"))
-        await asyncio.sleep(0.2)  # the second is waiting for the first's KV
+        deadline = asyncio.get_running_loop().time() + 10
+        while decode.counters["same_prompt_waits"] == waits:  # the second is waiting for the first's KV
+            assert asyncio.get_running_loop().time() < deadline, "the second sample never waited"
+            await asyncio.sleep(0.01)
         second.cancel()
+        gate.set()
         done = await first
         third = await drain("third")  # after it: takes the first's blocks, sends only the last one
-        await asyncio.sleep(0.3)
-        return done, third, second.cancelled(), await decode.stats(), await prefill.stats()
+        return done, third, second.cancelled(), *await settled(stack)
 
     done, third, cancelled, dstats, pstats = run(go())
     assert cancelled and decode.counters["same_prompt_waits"] == waits + 1
