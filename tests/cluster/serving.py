@@ -71,12 +71,27 @@ def client(url: str):
     return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def replica_stats(url: str, settle_s: float = 3.0, headers: dict[str, str] | None = None) -> list[dict[str, Any]]:
-    """Every replica's counters, after letting their periodic posts catch up."""
-    time.sleep(settle_s)
+def fetch_stats(url: str, headers: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """/debug/stats once: what each pool replica last posted to the stats board."""
     with urllib.request.urlopen(urllib.request.Request(f"{url}/debug/stats", headers=headers or {}),
                                 timeout=10) as r:
         return json.load(r)["replicas"]
+
+
+def replica_stats(url: str, settle_s: float | None = None, headers: dict[str, str] | None = None,
+                  timeout_s: float = 10.0) -> list[dict[str, Any]]:
+    """Every pool replica's counters as posted after this call began: replicas post every
+    0.5 s (stats_board.PERIOD_S), so this waits about that long; a replica that is gone stops
+    posting and leaves the board after its staleness window (STALE_S, 5 s). Past `timeout_s`,
+    the last read.
+    (`settle_s` is ignored: every read is fresh. It stays for callers not yet moved off it.)"""
+    since = time.time()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = fetch_stats(url, headers)
+        if all(s.get("posted_at", 0) > since for s in stats) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
 
 
 def http_request(url: str, method: str, path: str, body: bytes | None = None,
@@ -102,10 +117,10 @@ def http_request(url: str, method: str, path: str, body: bytes | None = None,
 
 def wait_for_replica(url: str, predicate: Callable[[dict[str, Any]], bool], timeout_s: float,
                      what: str) -> dict[str, Any]:
-    """The first replica whose posted stats satisfy `predicate`, polled every ~0.3 s."""
+    """The first replica whose posted stats satisfy `predicate`, each look a fresh post."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        found = next((s for s in replica_stats(url, settle_s=0.3) if predicate(s)), None)
+        found = next((s for s in replica_stats(url) if predicate(s)), None)
         if found is not None:
             return found
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
@@ -116,7 +131,7 @@ def pool_stats(url: str, pools: tuple[str, ...], timeout_s: float = 30.0) -> dic
     replicas' first periodic posts reach the stats board."""
     deadline = time.monotonic() + timeout_s
     while True:
-        stats = {s["pool"]: s for s in replica_stats(url, settle_s=0.3)}
+        stats = {s["pool"]: s for s in replica_stats(url)}
         if all(p in stats for p in pools):
             return stats
         if time.monotonic() > deadline:
@@ -163,7 +178,7 @@ def settled(url: str, aborted_after: float | None = None, pools: tuple[str, ...]
     `aborted_after`); return the last stats per pool."""
     deadline = time.monotonic() + timeout_s
     while True:
-        stats = {s["pool"]: s for s in replica_stats(url, settle_s=0.6, headers=headers)}
+        stats = {s["pool"]: s for s in replica_stats(url, headers=headers)}
         idle = all(s["blocks_in_use"] == 0 and s["num_running"] == 0 and s["num_waiting"] == 0
                    and s.get("num_remote", 0) == 0 and s.get("leases", 0) == 0 for s in stats.values())
         recorded = all(p in stats and stats[p]["last_abort_at"] > (aborted_after or 0) for p in pools)

@@ -12,7 +12,7 @@ import pickle
 
 import pytest
 
-from serving import deploy, replica_stats
+from serving import deploy, replica_stats, settled
 from serving import http_request as request
 
 pytestmark = pytest.mark.slow
@@ -199,7 +199,9 @@ def test_internal_kv_fields_from_a_client_are_ignored(url):
 def test_after_every_bad_request_the_server_still_serves_and_holds_nothing(url):
     status, _, raw = request(url, "POST", CHAT, chat(temperature=0, max_tokens=6))
     assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 6
-    (decode,) = replica_stats(url)
+    stats = settled(url)
+    assert list(stats) == ["decode"]
+    decode = stats["decode"]
     assert decode["blocks_in_use"] == 0 and decode["num_running"] == 0 and decode["num_waiting"] == 0
 
 
@@ -242,7 +244,7 @@ def test_overload_beyond_the_limit_is_a_fast_503_and_admitted_requests_finish(ur
             running = [pool.submit(admitted, i) for i in range(3)]
             deadline = time.monotonic() + 30
             while True:  # all three are inside the server (a new replica posts its stats soon after it starts)
-                busy = sum(d["num_running"] + d["num_waiting"] for d in replica_stats(url, settle_s=0.2))
+                busy = sum(d["num_running"] + d["num_waiting"] for d in replica_stats(url))
                 if busy > 2 * 4:  # more than two requests' samples
                     break
                 assert time.monotonic() < deadline, "the three requests never were in flight together"

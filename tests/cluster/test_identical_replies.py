@@ -77,7 +77,7 @@ def test_greedy_identical_colocated_and_every_connector(serve_url, default_model
             deploy({**args_of("serve.yaml"), "local_prefill_budget_ms": 5000} if name == budget else args_of(name))
         c = client(serve_url)
         outputs[name] = greedy(c, c.models.list().data[0].id)
-        decode[name] = next(s for s in replica_stats(serve_url, settle_s=1.5) if s["pool"] == "decode")
+        decode[name] = next(s for s in replica_stats(serve_url) if s["pool"] == "decode")
         if name in SPECULATING or name == "colocated.yaml":
             shaped[name] = stop_and_schema(c, c.models.list().data[0].id)
         if name in SPECULATING:  # the request's trace counts its drafts; usage counts tokens as without
@@ -85,7 +85,7 @@ def test_greedy_identical_colocated_and_every_connector(serve_url, default_model
             assert trace["spec_draft_tokens"] >= trace["spec_accepted_tokens"] > 0, (name, trace)
             assert trace["completion_tokens"] == 24
         sampled[name] = seeded(c, c.models.list().data[0].id)
-        landed[name] = sum(s.get("kv_landed", 0) for s in replica_stats(serve_url, settle_s=1.5))
+        landed[name] = sum(s.get("kv_landed", 0) for s in replica_stats(serve_url))
         metrics[name] = scrape(serve_url)
     for name in (budget, *SPECULATING):
         assert outputs[name] == outputs["colocated.yaml"], name

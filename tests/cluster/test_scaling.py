@@ -36,7 +36,25 @@ def pools_are(prefill: int, decode: int):
 
 
 def per_replica(url: str, pool: str, counter: str) -> dict[str, int]:
-    return {s["replica"]: s.get(counter, 0) for s in replica_stats(url, settle_s=1.0) if s["pool"] == pool}
+    return {s["replica"]: s.get(counter, 0) for s in replica_stats(url) if s["pool"] == pool}
+
+
+def reported_caches(deployment: str) -> dict[str, set[bytes]]:
+    """Per replica of `deployment`: the prefix-cache block hashes it last reported, as Serve's
+    controller holds them, which is what it broadcasts to that pool's request routers."""
+    import ray
+    from ray.serve._private.common import DeploymentID
+    from ray.serve.context import _get_global_client
+
+    from cluster.cache_report import HASH_BYTES
+
+    container = ray.get(_get_global_client()._controller._dump_replica_states_for_testing.remote(
+        DeploymentID(name=deployment, app_name=APP)))
+    views = {}
+    for replica in container.get():
+        blob = (replica.routing_stats or {}).get("cached_blocks", b"")
+        views[replica.replica_id.unique_id] = {blob[i:i + HASH_BYTES] for i in range(0, len(blob), HASH_BYTES)}
+    return views
 
 
 def test_redeploying_pool_sizes_under_load_fails_no_request(serve_url):
@@ -74,7 +92,7 @@ def test_redeploying_pool_sizes_under_load_fails_no_request(serve_url):
     assert (load.completed_since(t_2p1d) > load.completed_since(t_1p2d) > load.completed_since(t_1p1d)
             > load.completed_since(t_end) >= 3)
     assert len(prefill_replicas) == 2
-    stats = replica_stats(serve_url, settle_s=6.0)  # past the board's staleness window: only live replicas
+    stats = replica_stats(serve_url)  # (each fresh: the replicas gone have left the board)
     assert sorted(s["pool"] for s in stats) == ["decode", "prefill"]
     for s in stats:
         assert s["blocks_in_use"] == 0 and s["num_running"] == 0 and s["num_waiting"] == 0, s
@@ -103,7 +121,14 @@ def test_a_conversations_next_turn_is_prefilled_where_its_history_is_cached(serv
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         firsts = list(pool.map(turn, range(4), histories))
     assert len({trace["prefill_replica"] for _, trace in firsts}) == 2  # the burst spread over both replicas
-    time.sleep(2.0)  # their caches' contents reach the decode replica's router (0.5 s reports)
+    # each history's blocks reported by the replica that computed it, before its next turn is routed
+    from cluster.cache_report import prompt_hashes
+
+    histories_blocks = [prompt_hashes(json.loads(http_request(serve_url, "POST", "/tokenize", json.dumps(
+        {"messages": history}).encode())[2])["tokens"], 16, None) for history in histories]
+    wait_for(lambda: all(set(blocks) <= reported_caches("PrefillPool").get(trace["prefill_replica"], set())
+                         for blocks, (_, trace) in zip(histories_blocks, firsts)),
+             30, "each history's blocks in its prefill replica's routing report")
     for k, (first, trace) in enumerate(firsts):
         messages = histories[k] + [{"role": "assistant", "content": first.choices[0].message.content},
                                    {"role": "user", "content": "Which dock got crate3?"}]

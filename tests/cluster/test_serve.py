@@ -12,7 +12,7 @@ import re
 import pytest
 
 from serving import (APP, apply_config, args_of, client, deploy, load_config, replica_stats, running_replicas,
-                     scrape, total, wait_for)
+                     scrape, settled, total, wait_for)
 
 pytestmark = pytest.mark.slow
 
@@ -170,12 +170,11 @@ def test_32_concurrent_streams_then_no_blocks_in_use(disaggregated):
     with concurrent.futures.ThreadPoolExecutor(32) as pool:
         finishes = list(pool.map(one, range(32)))
     assert all(f in ("stop", "length") for f in finishes), finishes
-    stats = replica_stats(serve_url)
-    assert {s["pool"] for s in stats} == {"prefill", "decode"}
-    for s in stats:
+    stats = settled(serve_url)
+    assert set(stats) == {"prefill", "decode"}
+    for s in stats.values():
         assert s["blocks_in_use"] == 0 and s["num_running"] == 0 and s["num_waiting"] == 0, s
-    decode = next(s for s in stats if s["pool"] == "decode")
-    assert decode["kv_landed"] >= 32  # every request's KV came over the connector
+    assert stats["decode"]["kv_landed"] >= 32  # every request's KV came over the connector
 
 
 def test_metrics_aggregate_every_replica_of_both_pools(disaggregated):
@@ -183,14 +182,22 @@ def test_metrics_aggregate_every_replica_of_both_pools(disaggregated):
     import time
 
     c = client(serve_url)
-    time.sleep(1.5)  # the pools post every 0.5 s: let the earlier tests' requests land first
+    settled(serve_url)  # the earlier tests' requests counted on the board: a still baseline
     before = scrape(serve_url)
     usage = [c.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=8,
                                        extra_body={"ignore_eos": True},
                                        messages=[{"role": "user", "content": f"Count to {i}."}]).usage
              for i in range(4)]
-    time.sleep(1.5)  # the pools post every 0.5 s
-    after = scrape(serve_url)
+    settled(serve_url)
+    deadline = time.monotonic() + 10
+    while True:  # what the pools count as a request ends reaches the board with their next post
+        after = scrape(serve_url)
+        landed = [total(after, name, pool=pool) - total(before, name, pool=pool) for name, pool in (
+            ("vllm:request_success_total", "decode"), ("tandem:kv_transfer_seconds_count", "prefill"),
+            ("tandem:kv_transfer_seconds_count", "decode"), ("vllm:e2e_request_latency_seconds_count", "router"))]
+        if min(landed) >= 4 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
 
     def grew(name: str, **match: str) -> float:
         return total(after, name, **match) - total(before, name, **match)
@@ -214,7 +221,7 @@ def test_metrics_aggregate_every_replica_of_both_pools(disaggregated):
     ttft_le_inf = total(after, "vllm:time_to_first_token_seconds_bucket", pool="router", le="+Inf")
     assert ttft_le_inf == total(after, "vllm:time_to_first_token_seconds_count", pool="router")
     # one series per replica, named as /debug/stats names them
-    replicas = {s["replica"] for s in replica_stats(serve_url, settle_s=0)}
+    replicas = {s["replica"] for s in replica_stats(serve_url)}
     labelled = {dict(labels)["replica"] for (n, labels), _ in after.items()
                 if n == "vllm:kv_cache_usage_perc"}
     assert labelled == replicas and all(dict(labels)["model_name"] == "SmolLM2-135M-Instruct"
@@ -243,7 +250,7 @@ def test_each_request_is_traced_under_its_id(disaggregated):
 
     status, _, raw = http_request(serve_url, "GET", "/debug/requests/trace-me-1")
     (trace,) = json.loads(raw)["traces"]
-    pools = {s["pool"]: s["replica"] for s in replica_stats(serve_url, settle_s=0)}
+    pools = {s["pool"]: s["replica"] for s in replica_stats(serve_url)}
     assert trace["prefill_replica"] == pools["prefill"] and trace["decode_replica"] == pools["decode"]
     assert trace["kv"] == "landed" and trace["kv_bytes"] > 0 and trace["completion_tokens"] == 6
     for key in ("prefill_s", "kv_send_s", "kv_receive_s", "decode_queue_s", "ttft_s", "e2e_s"):
@@ -271,7 +278,10 @@ def test_each_request_is_traced_under_its_id(disaggregated):
     six = json.dumps({**json.loads(body), "ignore_eos": True}).encode()
     for rid in ids:
         assert http_request(serve_url, "POST", "/v1/chat/completions", six, {"X-Request-Id": rid})[0] == 200
-    time.sleep(1.5)  # a few posting periods: every router's traces on the board
+    from cluster.stats_board import board
+
+    on_board = board(APP)  # each router posts the traces it recorded with its stats
+    wait_for(lambda: all(ray.get([on_board.trace.remote(rid) for rid in ids])), 30, "every trace on the stats board")
     served_by = set()
     for rid in ids * 3:
         status, _, raw = http_request(serve_url, "GET", f"/debug/requests/{rid}")

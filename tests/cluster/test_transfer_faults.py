@@ -46,7 +46,7 @@ def ask(url: str, content: str = PROMPT, max_tokens: int = 12) -> str:
 
 
 def pools(url: str) -> dict[str, dict]:
-    return {s["pool"]: s for s in replica_stats(url, settle_s=0.6)}
+    return {s["pool"]: s for s in replica_stats(url)}
 
 
 def grew(before: dict, after: dict, key: str) -> int:
@@ -93,11 +93,12 @@ def test_abort_while_the_kv_is_in_flight_frees_nothing_early_and_crashes_nothing
     result: dict[str, str] = {}
     later = threading.Thread(target=lambda: result.setdefault("text", ask(serve_url, other)))
     later.start()
-    time.sleep(1.2)
-    during = pools(serve_url)
+    deadline = time.monotonic() + 10
+    while (during := pools(serve_url))["decode"]["last_abort_at"] <= t:  # each read a fresh post
+        assert time.monotonic() < deadline, "the decode replica never freed the aborted request"
     assert not link.released.is_set(), "the stall ended before the checks"
     d = during["decode"]
-    assert t < d["last_abort_at"] <= t + 1.0, d["last_abort_at"] - t  # freed at once: nothing lands there
+    assert d["last_abort_at"] <= t + 1.0, d["last_abort_at"] - t  # freed at once: nothing lands there
     assert during["prefill"]["blocks_in_use"] > 0  # the transfer's source is still held
     assert link.released.wait(10)
     later.join(timeout=60)
