@@ -3,6 +3,7 @@ HTTP (the `openai` SDK, /debug/stats), and read Serve's own view of the pools.""
 
 from __future__ import annotations
 
+import collections
 import http.client
 import json
 import socket
@@ -78,20 +79,28 @@ def fetch_stats(url: str, headers: dict[str, str] | None = None) -> list[dict[st
         return json.load(r)["replicas"]
 
 
+POOL_DEPLOYMENTS = {"prefill": "PrefillPool", "decode": "DecodePool"}
+
+
 def replica_stats(url: str, settle_s: float | None = None, headers: dict[str, str] | None = None,
                   timeout_s: float = 10.0) -> list[dict[str, Any]]:
-    """Every pool replica's counters as posted after this call began: replicas post every
-    0.5 s (stats_board.PERIOD_S), so this waits about that long; a replica that is gone stops
-    posting and leaves the board after its staleness window (STALE_S, 5 s). Past `timeout_s`,
-    the last read.
-    (`settle_s` is ignored: every read is fresh. It stays for callers not yet moved off it.)"""
+    """Every pool replica's counters as posted after this call began, once there are as many
+    as Serve runs: replicas post every 0.5 s (stats_board.PERIOD_S), so this waits about that
+    long; one that is gone stops posting and leaves the board after its staleness window
+    (STALE_S, 5 s); one just started posts once Serve has checked its health. Past
+    `timeout_s`, the last read. (`settle_s` is ignored: every read is fresh. It stays for
+    callers not yet moved off it.)"""
     since = time.time()
     deadline = time.monotonic() + timeout_s
     while True:
         stats = fetch_stats(url, headers)
-        if all(s.get("posted_at", 0) > since for s in stats) or time.monotonic() > deadline:
+        running = running_replicas(settled=False)
+        posted = collections.Counter(s["pool"] for s in stats)
+        if ((all(s.get("posted_at", 0) > since for s in stats)
+             and all(posted[pool] == running[name] for pool, name in POOL_DEPLOYMENTS.items() if name in running))
+                or time.monotonic() > deadline):
             return stats
-        time.sleep(0.05)
+        time.sleep(0.1)
 
 
 def http_request(url: str, method: str, path: str, body: bytes | None = None,
@@ -117,25 +126,29 @@ def http_request(url: str, method: str, path: str, body: bytes | None = None,
 
 def wait_for_replica(url: str, predicate: Callable[[dict[str, Any]], bool], timeout_s: float,
                      what: str) -> dict[str, Any]:
-    """The first replica whose posted stats satisfy `predicate`, each look a fresh post."""
+    """The first replica whose posted stats satisfy `predicate` (the board polled every 0.1 s)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        found = next((s for s in replica_stats(url) if predicate(s)), None)
+        found = next((s for s in fetch_stats(url) if predicate(s)), None)
         if found is not None:
             return found
+        time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
 def pool_stats(url: str, pools: tuple[str, ...], timeout_s: float = 30.0) -> dict[str, dict[str, Any]]:
-    """Stats per pool once each of `pools` has posted: a just-deployed app answers before its
-    replicas' first periodic posts reach the stats board."""
+    """Per pool of `pools`, the stats its replica posted most recently, once each has posted
+    since this call began (a just-deployed app answers before its replicas' first posts; a
+    replica gone lingers on the board for STALE_S, and is never the one returned)."""
+    since = time.time()
     deadline = time.monotonic() + timeout_s
     while True:
-        stats = {s["pool"]: s for s in replica_stats(url)}
-        if all(p in stats for p in pools):
+        stats = {s["pool"]: s for s in sorted(fetch_stats(url), key=lambda s: s.get("posted_at", 0))}
+        if all(p in stats and stats[p].get("posted_at", 0) > since for p in pools):
             return stats
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {pools} to post stats")
+        time.sleep(0.1)
 
 
 def chat_in_background(url: str, content: str, max_tokens: int) -> tuple[threading.Thread, dict[str, Any]]:
