@@ -48,7 +48,7 @@ class LLMEngine:
         if self.arch.sliding_window:  # no sliding-window attention: stay inside the window
             limit = min(limit, self.arch.sliding_window)
         self.runner = ModelRunner(str(self.model_path), self.arch, config.model, config.cache, limit,
-                                  config.seed, config.scheduler.max_num_seqs)
+                                  config.seed, self._graph_rows(config))
         bs = config.cache.block_size
         self.num_blocks = self.runner.num_blocks
         self.max_model_len = min(limit, self.num_blocks * bs)
@@ -66,6 +66,14 @@ class LLMEngine:
         self.counters: Counter[str] = Counter()
         if config.speculative is not None and config.speculative.adaptive:
             self.calibrate()  # draft lengths are chosen from the step cost: know it from the start
+
+    @staticmethod
+    def _graph_rows(config: EngineConfig) -> int:
+        """Rows the CUDA graphs hold: a decode per sequence, and with speculation its drafts too,
+        within the step's token budget."""
+        k = config.speculative.num_speculative_tokens if config.speculative is not None else 0
+        seqs = config.scheduler.max_num_seqs
+        return seqs if not k else max(seqs, min(seqs * (1 + k), config.scheduler.max_num_batched_tokens))
 
     # -- requests ------------------------------------------------------------------
     def new_request_id(self) -> str:
