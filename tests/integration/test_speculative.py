@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 import torch
 
-from cluster import LLM, SamplingParams
+from cluster import LLM, SamplingParams, StructuredOutput
 from cluster.engine import sampler
 from cluster.engine.spec.base import Proposer
 
@@ -38,7 +38,7 @@ def requests(llm: LLM) -> tuple[list[list[int]], list[SamplingParams]]:
     return ([p[0], p[1], p[2], p[3], p[0], p[1]], [
         dataclasses.replace(GREEDY, logprobs=3),  # logprobs: the same values
         dataclasses.replace(GREEDY, stop=["Paris"], include_stop_str_in_output=True),
-        dataclasses.replace(GREEDY, json_schema=SCHEMA, max_tokens=40),
+        dataclasses.replace(GREEDY, structured=StructuredOutput("json_schema", SCHEMA), max_tokens=40),
         dataclasses.replace(GREEDY, max_tokens=29, min_tokens=29, ignore_eos=True),  # cut inside a run
         SamplingParams(temperature=0.8, top_p=0.95, seed=11, n=2, max_tokens=32),  # seeded: same tokens
         SamplingParams(temperature=1.0, top_k=20, presence_penalty=0.5, seed=5, max_tokens=24),
