@@ -1,5 +1,5 @@
-"""The structured-output backend: a grammar library behind two small ABCs (the engine names one
-in `registry.BACKENDS`; xgrammar_backend.py is the one there is).
+"""The structured-output backend: a grammar library behind two small ABCs (the engine builds one
+with `registry.create_backend(name, ...)`; xgrammar_backend.py is the one there is).
 
     engine (add_request / admit_remote)      backend.compile(spec) → grammar   (cached per spec)
                                               backend.matcher(grammar) → one request's Matcher
