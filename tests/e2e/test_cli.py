@@ -48,6 +48,19 @@ def test_chat_with_a_json_schema_file_and_a_schema_it_cannot_enforce(tiny_model_
     assert both.returncode == 2 and "not allowed with argument" in both.stderr
 
 
+def test_chat_with_an_ebnf_grammar_file_and_one_that_does_not_compile(tiny_model_paths, tmp_path):
+    import re
+
+    (tmp_path / "answer.ebnf").write_text('root ::= ("yes" | "no") " because " [a-z]{1,8}\n')
+    proc = tandem("chat", "Hi", "--model", str(tiny_model_paths["qwen2"]), "--max-tokens", "20",
+                  "--grammar", str(tmp_path / "answer.ebnf"))
+    assert proc.returncode == 0, proc.stderr
+    assert re.fullmatch(r"(yes|no) because [a-z]{1,8}", proc.stdout.rstrip("\n")), proc.stdout
+    (tmp_path / "broken.ebnf").write_text("root ::= undefined_rule\n")
+    broken = tandem("chat", "Hi", "--model", str(tiny_model_paths["qwen2"]), "--grammar", str(tmp_path / "broken.ebnf"))
+    assert broken.returncode == 2 and "tandem: error: the grammar does not compile" in broken.stderr
+
+
 def test_convert_model_reuses_the_cached_folder(default_model_path):
     weights = default_model_path / "model.safetensors"
     before = weights.stat().st_mtime_ns
