@@ -18,7 +18,7 @@ from cluster.engine.structured.constraint import Constraint
 from cluster.engine.structured.registry import create_backend
 from cluster.sampling_params import SamplingParams
 from cluster.structured_output import StructuredOutput
-from test_structured_output import ENFORCED
+from test_structured_checks import ENFORCED
 
 OPTIONS = ["red", "green (light)", "1+1"]
 CODE = {"type": "object", "additionalProperties": False, "required": ["code", "n", "day"],
