@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import itertools
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -11,7 +10,6 @@ import torch
 
 from cluster.config import CacheConfig, ModelConfig
 from cluster.engine.cuda_graphs import DecodeGraphs
-from cluster.engine.json_mode import JsonConstraint
 from cluster.engine.kv_cache import allocate_kv_cache
 from cluster.engine.sampler import Logprob, sample, score_tokens
 from cluster.engine.scheduler import ScheduledChunk, StepPlan
@@ -42,22 +40,15 @@ class _Row(NamedTuple):
 
     request: Request
     output_ids: list[int]  # the output before this position (drafts before it included)
-    constraint: JsonConstraint | None  # at this position (a copy advanced over the drafts)
     draft: int | None  # the draft token the next row's position holds; None on a run's last row
 
 
 def _rows(c: ScheduledChunk) -> list[_Row]:
     req = c.request
     if not c.num_drafts:
-        return [_Row(req, req.output_token_ids, req.constraint, None)]
+        return [_Row(req, req.output_token_ids, None)]
     out, drafts = req.output_token_ids, list(c.draft_token_ids)
-    rows, constraint = [], req.constraint
-    for j in range(len(drafts) + 1):
-        if constraint is not None and j:  # the request's own stays where its output is
-            constraint = copy.copy(constraint)  # the row before's, advanced by one draft
-            constraint.sync(out + drafts[:j])
-        rows.append(_Row(req, out + drafts[:j], constraint, drafts[j] if j < len(drafts) else None))
-    return rows
+    return [_Row(req, out + drafts[:j], drafts[j] if j < len(drafts) else None) for j in range(len(drafts) + 1)]
 
 
 @dataclass
@@ -122,7 +113,7 @@ class ModelRunner:
             [r.request.prompt_token_ids for r in rows],
             [r.output_ids for r in rows],
             eos_token_ids,
-            [r.constraint for r in rows],
+            [r.request.constraint for r in rows],  # a verify run's rows share it (sampler)
             [r.draft for r in rows],
         )
         sampled: dict[str, list[int]] = {}

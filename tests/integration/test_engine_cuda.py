@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_engine import assert_same_greedy_replies, mixed_prompts, token_ids
 
-from cluster import LLM, SamplingParams
+from cluster import LLM, SamplingParams, StructuredOutput
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -145,5 +145,5 @@ def test_default_model_on_cuda(default_model_path):
         assert max(abs(ours.get(t, -99.0) - ref[t]) for t in top) < 0.3, (ref, ours)
 
     cat = [{"role": "user", "content": "Give me a JSON object describing a cat with keys name, age and color."}]
-    out = bf16.chat(cat, SamplingParams(temperature=0.0, max_tokens=80, json_object=True))[0].outputs[0]
+    out = bf16.chat(cat, SamplingParams(temperature=0.0, max_tokens=80, structured=StructuredOutput("json_object")))[0].outputs[0]
     assert out.finish_reason == "stop" and isinstance(json.loads(out.text), dict), out.text
