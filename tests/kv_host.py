@@ -35,7 +35,7 @@ class KVHost:
         return self.conn.on_control(op, args)
 
     # -- prefill side ----------------------------------------------------------------
-    def prefill(self, rid: str, prompt: list[int], params, receiver: dict[str, Any]):
+    def prefill(self, rid: str, prompt: list[int], params, receiver):
         return self.prefill_worker.prefill(rid, prompt, params, receiver)
 
     def prefill_and_hold(self, rid: str, prompt: list[int], params) -> str:
@@ -46,7 +46,7 @@ class KVHost:
         self._held = self.engine.take_prefilled(rid)
         return hashlib.sha256(self.engine.export_kv(rid).numpy().tobytes()).hexdigest()
 
-    def send_raw(self, rid: str, receiver: dict[str, Any], mode: str) -> dict[str, Any]:
+    def send_raw(self, rid: str, receiver, mode: str):
         """Send the held request's KV with a deliberate defect; always releases the blocks."""
         from cluster.kvtransfer.wire import make_header
 
@@ -73,7 +73,7 @@ class KVHost:
         return self.prefill_worker.reap()
 
     # -- decode side -----------------------------------------------------------------
-    def reserve(self, rid: str, prompt: list[int], params) -> dict[str, Any] | None:
+    def reserve(self, rid: str, prompt: list[int], params):
         return self.decode_worker.reserve(rid, prompt, params)
 
     def start(self, rid: str, handoff) -> list[int]:
@@ -84,7 +84,7 @@ class KVHost:
         self.decode_worker.abandon(rid)
         return self._finish(rid)
 
-    def imported_sha(self, rid: str, receipt: dict[str, Any]) -> str:
+    def imported_sha(self, rid: str, receipt) -> str:
         """Receive + import, then re-pack the decode side's own blocks and hash them."""
         packed = self.conn.receive(rid, receipt)
         req = self.engine.scheduler.remote[rid]
@@ -107,7 +107,7 @@ class KVHost:
                     tokens = out.outputs[0].token_ids
         return tokens
 
-    def receive_error(self, rid: str, receipt: dict[str, Any], timeout_s: float) -> str | None:
+    def receive_error(self, rid: str, receipt, timeout_s: float) -> str | None:
         """Try to receive; the error's class name (None if it landed). Frees R's blocks after."""
         from cluster.kvtransfer.errors import KVTransferError
 

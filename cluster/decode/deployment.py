@@ -11,10 +11,10 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from cluster.config import AppConfig
-from cluster.decode.server import DecodeServer, PrefillReplicaLost
+from cluster.decode.server import DecodeServer
 from cluster.engine.outputs import TokenDelta
 from cluster.pool_replica import PoolReplica, one_torch_thread
-from cluster.prefill.worker import PrefillHandoff
+from cluster.kvtransfer.handoff import PrefillHandoff, PrefillReplicaLost, Receiver
 from cluster.sampling_params import SamplingParams
 
 class ServePrefillClient:
@@ -27,7 +27,7 @@ class ServePrefillClient:
         self.handle = handle.options(_by_reference=True)
 
     async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                      receiver: dict[str, Any]) -> PrefillHandoff:
+                      receiver: Receiver) -> PrefillHandoff:
         from ray import exceptions as rex
 
         response = self.handle.prefill.remote(request_id, list(prompt_token_ids), params, receiver)

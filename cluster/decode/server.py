@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from typing import Any, AsyncIterator, Protocol, Sequence
+from typing import Any, AsyncIterator, Sequence
 
 from cluster.autoscaling import BLOCKS_IN_USE, NUM_BLOCKS, REQUESTS
 from cluster.config import AppConfig
@@ -37,29 +37,11 @@ from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import LLMEngine
 from cluster.kvtransfer.connectors import create_connector
 from cluster.kvtransfer.errors import KVTransferError
+from cluster.kvtransfer.handoff import PrefillClient, PrefillFailed, PrefillHandoff, prefill_with_retries
 from cluster.metrics import ITL_BUCKETS, Histogram
 from cluster.engine.outputs import TokenDelta
-from cluster.prefill.worker import PrefillHandoff
 from cluster.cache_report import cache_report
 from cluster.sampling_params import SamplingParams
-
-
-PREFILL_RETRIES = 2
-
-
-class PrefillClient(Protocol):
-    async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                      receiver: dict[str, Any]) -> PrefillHandoff: ...
-
-    async def ack(self, handoff: PrefillHandoff) -> None: ...
-
-
-class PrefillReplicaLost(RuntimeError):
-    """The prefill replica died before answering (a `PrefillClient` raises it): worth a retry."""
-
-
-class PrefillFailed(RuntimeError):
-    """The prefill pool could not produce R's first token and the policy is `fail`."""
 
 
 class DecodeServer:
@@ -182,9 +164,9 @@ class DecodeServer:
             trace["kv"] = "no room: prefilled here"
             await self.engine.call(lambda e: e.add_request(rid, prompt, params))
             return
-        trace["kv_reused_tokens"] = receiver["cached_blocks"] * self.engine.engine.blocks.block_size
+        trace["kv_reused_tokens"] = receiver.cached_blocks * self.engine.engine.blocks.block_size
         try:
-            handoff = await self._prefill_with_retries(rid, prompt, params, receiver, prefill)
+            handoff = await prefill_with_retries(prefill, rid, prompt, params, receiver, self._retried)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -213,18 +195,8 @@ class DecodeServer:
         # the first token goes to R's stream from the engine thread, ahead of the steps after it
         await self.engine.call(lambda e: worker.start(rid, handoff, packed, error), deliver=True)
 
-    async def _prefill_with_retries(self, rid: str, prompt: list[int], params: SamplingParams,
-                                    receiver: dict[str, Any], prefill: PrefillClient) -> PrefillHandoff:
-        """Ask the prefill pool; a replica lost before answering is retried on another one
-        (`PREFILL_RETRIES` times: the pool's router no longer picks a dead replica)."""
-        for attempt in range(PREFILL_RETRIES + 1):
-            try:
-                return await prefill.prefill(rid, prompt, params, receiver)
-            except PrefillReplicaLost:
-                if attempt == PREFILL_RETRIES:
-                    raise
-                self.counters["prefill_retried"] += 1
-        raise AssertionError("unreachable")
+    def _retried(self) -> None:
+        self.counters["prefill_retried"] += 1
 
     def _ack(self, prefill: PrefillClient, handoff: PrefillHandoff) -> None:
         task = asyncio.get_running_loop().create_task(prefill.ack(handoff))

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from typing import Any, Sequence
 
 from ray import serve
 
 from cluster.config import AppConfig
+from cluster.kvtransfer.handoff import PrefillHandoff, Receiver
 from cluster.pool_replica import PoolReplica, one_torch_thread
 from cluster.prefill.server import PrefillServer
-from cluster.prefill.worker import PrefillHandoff
 from cluster.sampling_params import SamplingParams
 
 
@@ -25,10 +26,10 @@ class PrefillDeployment(PoolReplica):
         super().__init__(PrefillServer(AppConfig.from_args(config)))
 
     async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                      receiver: dict[str, Any]) -> PrefillHandoff:
+                      receiver: Receiver) -> PrefillHandoff:
         self._ensure_posting()
         handoff = await self.server.prefill(request_id, prompt_token_ids, params, receiver)
-        handoff.origin = self.replica_id
+        handoff = dataclasses.replace(handoff, origin=self.replica_id)
         if "exit_after_handoff" in self.faults:  # dies with R's KV put/pushed, before decode admits it
             asyncio.get_running_loop().call_later(0.3, os._exit, 1)
         return handoff

@@ -9,6 +9,7 @@ The Serve deployment (cluster/prefill/deployment.py) is a thin shell over this c
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import concurrent.futures
 import contextlib
 import threading
@@ -20,7 +21,8 @@ from cluster.config import AppConfig
 from cluster.engine.engine import LLMEngine
 from cluster.kvtransfer.connectors import create_connector
 from cluster.prefill.turns import Turns
-from cluster.prefill.worker import PrefillHandoff, PrefillWorker
+from cluster.kvtransfer.handoff import PrefillHandoff, Receiver
+from cluster.prefill.worker import PrefillWorker
 from cluster.cache_report import cache_report
 from cluster.sampling_params import SamplingParams
 
@@ -43,7 +45,7 @@ class PrefillServer:
         self.turns = Turns() if config.engine.scheduler.scheduling_policy == "priority" else None
 
     async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                      receiver: dict[str, Any]) -> PrefillHandoff:
+                      receiver: Receiver) -> PrefillHandoff:
         self._ensure_reaper()
         prompt = list(prompt_token_ids)
         cached = self.engine.blocks.cached_prefix_len(prompt, params.cache_salt) if self.config.prefix_aware_routing else 0
@@ -52,8 +54,7 @@ class PrefillServer:
         try:
             async with self.turns.turn(params.priority) if self.turns else contextlib.nullcontext():
                 handoff = await self._run(self.worker.prefill, request_id, prompt, params, receiver)
-            handoff.prefill_s = time.monotonic() - arrived
-            return handoff
+            return dataclasses.replace(handoff, prefill_s=time.monotonic() - arrived)
         except asyncio.CancelledError:
             # The decode side (and its client) went away. A queued job never starts; a running
             # one stops at its next step; a finished one's held blocks are released by `drop`,
@@ -136,7 +137,7 @@ class LocalPrefillClient:
         self.server = server
 
     async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                      receiver: dict[str, Any]) -> PrefillHandoff:
+                      receiver: Receiver) -> PrefillHandoff:
         return await self.server.prefill(request_id, prompt_token_ids, params, receiver)
 
     async def ack(self, handoff: PrefillHandoff) -> None:

@@ -13,34 +13,13 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from cluster.engine.engine import LLMEngine
 from cluster.kvtransfer.base import KVConnector
 from cluster.kvtransfer.errors import KVTransferError
-from cluster.engine.outputs import TokenLogprobs
+from cluster.kvtransfer.handoff import PrefillHandoff, Receiver
 from cluster.sampling_params import SamplingParams
-
-
-@dataclass
-class PrefillHandoff:
-    """What the decode side needs besides the KV itself. `finished`: the first token already
-    ended the request (EOS, stop, max_tokens=1), so nothing was sent and nothing is held."""
-
-    request_id: str
-    first_token: int
-    first_logprobs: TokenLogprobs | None
-    receipt: dict[str, Any] = field(default_factory=dict)
-    finished: bool = False
-    finish_reason: str | None = None
-    num_prompt_tokens: int = 0
-    origin: str = ""  # which prefill replica holds R's blocks (acks go back there)
-    prefill_s: float = 0.0  # on the prefill replica: queued + computed + sent
-    kv_send_s: float = 0.0  # of which moving the KV (the connector's send)
-    kv_bytes: int = 0
-    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.., when asked for
-    num_cached_tokens: int = 0  # prompt tokens this side's prefix cache served (usage's cached_tokens)
 
 
 class PrefillCancelled(Exception):
@@ -60,7 +39,7 @@ class PrefillWorker:
         self.counters: Counter[str] = Counter()
 
     def prefill(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                receiver: dict[str, Any]) -> PrefillHandoff:
+                receiver: Receiver) -> PrefillHandoff:
         """Prefill R, ship its KV to `receiver`; on a send error R's blocks are freed and it raises."""
         self.reap()
         engine = self.engine
@@ -84,7 +63,7 @@ class PrefillWorker:
         result = engine.take_prefilled(request_id)
         try:  # not a lease yet: whatever fails here frees R's blocks at once
             # the leading blocks the receiver holds already (its prefix cache) are not sent
-            payload = engine.export_kv(request_id, receiver.get("cached_blocks", 0))
+            payload = engine.export_kv(request_id, receiver.cached_blocks)
             sending = time.monotonic()
             receipt = self.connector.send(request_id, len(result.prompt_token_ids), payload, receiver)
         except BaseException as exc:
