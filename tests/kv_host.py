@@ -21,22 +21,22 @@ class KVHost:
                  policy: str = "recompute") -> None:
         torch.set_num_threads(1)
         from cluster.config import EngineConfig
-        from cluster.decode.worker import DecodeWorker
+        from cluster.decode.importer import KVImporter
         from cluster.engine.engine import LLMEngine
         from cluster.kvtransfer.connectors import create_connector
-        from cluster.prefill.worker import PrefillWorker
+        from cluster.prefill.exporter import KVExporter
 
         self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args))
         self.conn = create_connector(connector, self.engine.kv_layout(), **(connector_options or {}))
-        self.prefill_worker = PrefillWorker(self.engine, self.conn, lease_s)
-        self.decode_worker = DecodeWorker(self.engine, self.conn, policy)
+        self.exporter = KVExporter(self.engine, self.conn, lease_s)
+        self.importer = KVImporter(self.engine, self.conn, policy)
 
     def kv_control(self, op: str, args: dict[str, Any]) -> Any:
         return self.conn.on_control(op, args)
 
     # -- prefill side ----------------------------------------------------------------
     def prefill(self, rid: str, prompt: list[int], params, receiver):
-        return self.prefill_worker.prefill(rid, prompt, params, receiver)
+        return self.exporter.prefill(rid, prompt, params, receiver)
 
     def prefill_and_hold(self, rid: str, prompt: list[int], params) -> str:
         """Prefill only and keep the blocks, returning the payload's sha256 (for raw sends)."""
@@ -67,21 +67,21 @@ class KVHost:
             self.engine.release(rid)
 
     def ack(self, rid: str) -> bool:
-        return self.prefill_worker.ack(rid)
+        return self.exporter.ack(rid)
 
     def reap(self) -> list[str]:
-        return self.prefill_worker.reap()
+        return self.exporter.reap()
 
     # -- decode side -----------------------------------------------------------------
     def reserve(self, rid: str, prompt: list[int], params):
-        return self.decode_worker.reserve(rid, prompt, params)
+        return self.importer.reserve(rid, prompt, params)
 
     def start(self, rid: str, handoff) -> list[int]:
-        self.decode_worker.start(rid, handoff)
+        self.importer.start(rid, handoff)
         return self._finish(rid)
 
     def abandon(self, rid: str) -> list[int]:
-        self.decode_worker.abandon(rid)
+        self.importer.abandon(rid)
         return self._finish(rid)
 
     def imported_sha(self, rid: str, receipt) -> str:
@@ -120,7 +120,7 @@ class KVHost:
         return error
 
     def stats(self) -> dict[str, Any]:
-        return {**self.engine.stats(), **self.prefill_worker.counters, **self.decode_worker.counters,
+        return {**self.engine.stats(), **self.exporter.counters, **self.importer.counters,
                 **{f"kv_{k}": v for k, v in self.conn.stats().items()}}
 
     def pid(self) -> int:

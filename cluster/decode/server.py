@@ -32,7 +32,7 @@ from typing import Any, AsyncIterator, Sequence
 
 from cluster.autoscaling import BLOCKS_IN_USE, NUM_BLOCKS, REQUESTS
 from cluster.config import AppConfig
-from cluster.decode.worker import DecodeWorker
+from cluster.decode.importer import KVImporter
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import LLMEngine
 from cluster.kvtransfer.connectors import create_connector
@@ -49,11 +49,11 @@ class DecodeServer:
         self.config = config
         engine = engine or LLMEngine(config.engine)
         self.connector = None
-        self.worker: DecodeWorker | None = None
+        self.importer: KVImporter | None = None
         if config.mode == "disaggregated":
             kv = config.kv_transfer
             self.connector = create_connector(kv.connector, engine.kv_layout(), **kv.connector_options("decode"))
-            self.worker = DecodeWorker(engine, self.connector, kv.kv_load_failure_policy, kv.timeout_s)
+            self.importer = KVImporter(engine, self.connector, kv.kv_load_failure_policy, kv.timeout_s)
             if config.local_prefill_budget_ms:  # know what a token costs before the first request
                 engine.calibrate()
         self.engine = AsyncEngine(engine)
@@ -72,7 +72,7 @@ class DecodeServer:
         stream = self.engine.open(request_id)
         trace: dict[str, Any] = {"decode_replica": self.name}
         try:
-            if prefill is None or self.worker is None or self._prefill_here(prompt, params, trace):
+            if prefill is None or self.importer is None or self._prefill_here(prompt, params, trace):
                 await self.engine.call(lambda e: e.add_request(request_id, prompt, params))
             else:
                 await self._remote_prefill(request_id, prompt, params, prefill, trace)
@@ -127,8 +127,8 @@ class DecodeServer:
 
     async def _remote_prefill(self, rid: str, prompt: list[int], params: SamplingParams,
                               prefill: PrefillClient, trace: dict[str, Any]) -> None:
-        worker = self.worker
-        assert worker is not None
+        importer = self.importer
+        assert importer is not None
         key = (tuple(prompt), params.cache_salt)
         ahead = self._landing.get(key)
         if ahead is None:
@@ -156,9 +156,9 @@ class DecodeServer:
 
     async def _reserve_and_prefill(self, rid: str, prompt: list[int], params: SamplingParams,
                                    prefill: PrefillClient, trace: dict[str, Any]) -> None:
-        worker = self.worker
-        assert worker is not None
-        receiver = await self.engine.call(lambda e: worker.reserve(rid, prompt, params))
+        importer = self.importer
+        assert importer is not None
+        receiver = await self.engine.call(lambda e: importer.reserve(rid, prompt, params))
         if receiver is None:  # no room for R's KV right now: queue it here, prefilled locally
             self.counters["prefilled_locally_no_room"] += 1
             trace["kv"] = "no room: prefilled here"
@@ -171,9 +171,9 @@ class DecodeServer:
             raise
         except Exception as exc:
             self.counters["prefill_failed"] += 1
-            trace["kv"] = f"prefill failed ({type(exc).__name__}): {worker.policy}"
-            await self.engine.call(lambda e: worker.abandon(rid))
-            if worker.policy == "fail":
+            trace["kv"] = f"prefill failed ({type(exc).__name__}): {importer.policy}"
+            await self.engine.call(lambda e: importer.abandon(rid))
+            if importer.policy == "fail":
                 raise PrefillFailed(f"prefill failed: {type(exc).__name__}: {exc}") from exc
             return  # recomputed here from the prompt
         trace.update(prefill_replica=handoff.origin, prefill_s=handoff.prefill_s, kv_bytes=handoff.kv_bytes,
@@ -185,15 +185,15 @@ class DecodeServer:
                 await asyncio.sleep(1.5)
             fetching = time.monotonic()
             try:
-                packed = await asyncio.to_thread(worker.fetch, rid, handoff)
+                packed = await asyncio.to_thread(importer.fetch, rid, handoff)
             except KVTransferError as exc:
                 error = exc
-                trace["kv"] = f"{exc.kind}: {worker.policy}"
+                trace["kv"] = f"{exc.kind}: {importer.policy}"
             finally:  # landed, failed or cancelled: the prefill side may free R's blocks now
                 self._ack(prefill, handoff)
             trace["kv_receive_s"] = time.monotonic() - fetching
         # the first token goes to R's stream from the engine thread, ahead of the steps after it
-        await self.engine.call(lambda e: worker.start(rid, handoff, packed, error), deliver=True)
+        await self.engine.call(lambda e: importer.start(rid, handoff, packed, error), deliver=True)
 
     def _retried(self) -> None:
         self.counters["prefill_retried"] += 1
@@ -224,8 +224,8 @@ class DecodeServer:
                 BLOCKS_IN_USE: e.blocks.num_used_blocks, NUM_BLOCKS: e.blocks.num_blocks}
 
     async def stats(self) -> dict[str, Any]:
-        if self.worker is not None:
-            base = await self.engine.call(lambda e: self.worker.stats())
+        if self.importer is not None:
+            base = await self.engine.call(lambda e: self.importer.stats())
         else:
             base = await self.engine.call(lambda e: e.stats())
         histograms = {"vllm:inter_token_latency_seconds": self.itl.to_dict(),

@@ -22,7 +22,7 @@ from cluster.engine.engine import LLMEngine
 from cluster.kvtransfer.connectors import create_connector
 from cluster.prefill.turns import Turns
 from cluster.kvtransfer.handoff import PrefillHandoff, Receiver
-from cluster.prefill.worker import PrefillWorker
+from cluster.prefill.exporter import KVExporter
 from cluster.cache_report import cache_report
 from cluster.sampling_params import SamplingParams
 
@@ -34,7 +34,7 @@ class PrefillServer:
         kv = config.kv_transfer
         self.connector = create_connector(kv.connector, self.engine.kv_layout(),
                                           **kv.connector_options(role="prefill"))
-        self.worker = PrefillWorker(self.engine, self.connector, lease_s=kv.lease_s)
+        self.exporter = KVExporter(self.engine, self.connector, lease_s=kv.lease_s)
         # The engine is single-threaded: every call that touches it runs on this one thread.
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tandem-prefill")
         # request id → (prompt tokens, of which not cached on arrival): from arrival to hand-off
@@ -53,13 +53,13 @@ class PrefillServer:
         arrived = time.monotonic()
         try:
             async with self.turns.turn(params.priority) if self.turns else contextlib.nullcontext():
-                handoff = await self._run(self.worker.prefill, request_id, prompt, params, receiver)
+                handoff = await self._run(self.exporter.prefill, request_id, prompt, params, receiver)
             return dataclasses.replace(handoff, prefill_s=time.monotonic() - arrived)
         except asyncio.CancelledError:
             # The decode side (and its client) went away. A queued job never starts; a running
             # one stops at its next step; a finished one's held blocks are released by `drop`,
             # which runs after it on the engine thread.
-            self.worker.cancel(request_id)
+            self.exporter.cancel(request_id)
             with contextlib.suppress(RuntimeError):  # shutting down: nothing left to release
                 self._executor.submit(self._dropped, request_id)
             raise
@@ -67,16 +67,16 @@ class PrefillServer:
             self.queued.pop(request_id, None)
 
     def _dropped(self, request_id: str) -> None:
-        self.worker.drop(request_id)
+        self.exporter.drop(request_id)
         self.last_abort_at = time.time()
 
     async def ack(self, request_id: str) -> bool:
-        return await self._run(self.worker.ack, request_id)
+        return await self._run(self.exporter.ack, request_id)
 
     async def stats(self) -> dict[str, Any]:
         # Read here, not on the engine thread: a long prefill would hold the snapshot back for
         # its whole duration. Plain counters; a snapshot taken mid-step is still consistent enough.
-        return {**self.worker.stats(), "queued_prompt_tokens": sum(n for n, _ in self.queued.values()),
+        return {**self.exporter.stats(), "queued_prompt_tokens": sum(n for n, _ in self.queued.values()),
                 "last_abort_at": self.last_abort_at, "histograms": self.connector.histograms()}
 
     def routing_stats(self) -> dict[str, Any]:
@@ -105,7 +105,7 @@ class PrefillServer:
         started = self._job_started_at
         if started is None:
             return
-        stalled = time.monotonic() - max(started, self.worker.last_step_at)
+        stalled = time.monotonic() - max(started, self.exporter.last_step_at)
         if stalled > self.config.stall_timeout_s:
             raise RuntimeError(f"the prefill engine has made no progress for {stalled:.1f} s: wedged")
 
@@ -121,7 +121,7 @@ class PrefillServer:
         period = max(0.05, min(1.0, self.config.kv_transfer.lease_s / 4))
         while True:
             await asyncio.sleep(period)
-            await self._run(self.worker.reap)
+            await self._run(self.exporter.reap)
 
     def close(self) -> None:
         if self._reaper is not None:

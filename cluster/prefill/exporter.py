@@ -1,4 +1,6 @@
-"""The prefill side of a hand-off, as a plain object (the Ray deployment is a thin shell).
+"""The prefill half of the hand-off (cluster/kvtransfer/handoff.py): compute R's prompt KV, send
+it to the decode side's receiver, hold R's blocks under a lease until the ack. A plain object
+driven by PrefillServer (prefill/server.py).
 
     prefill(R, prompt, params, receiver)  → engine runs R prefill-only → first token + held blocks
                                           → export_kv(R) but the blocks the receiver holds
@@ -26,7 +28,7 @@ class PrefillCancelled(Exception):
     """R's caller went away while R was being prefilled; R's blocks are already freed."""
 
 
-class PrefillWorker:
+class KVExporter:
     def __init__(self, engine: LLMEngine, connector: KVConnector, lease_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.engine = engine

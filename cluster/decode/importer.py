@@ -1,4 +1,6 @@
-"""The decode side of a hand-off, as a plain object (the Ray deployment is a thin shell).
+"""The decode half of the hand-off (cluster/kvtransfer/handoff.py): reserve R's blocks, fetch its
+prompt KV, start decoding it. A plain object driven by DecodeServer (decode/server.py); every
+method but `fetch` runs on the engine thread.
 
     reserve(R, prompt, params)  → engine allocates R's destination blocks (after the prompt's
                                   prefix its cache already holds), connector expects R
@@ -26,7 +28,7 @@ from cluster.engine.outputs import RequestOutput
 from cluster.sampling_params import SamplingParams
 
 
-class DecodeWorker:
+class KVImporter:
     def __init__(self, engine: LLMEngine, connector: KVConnector, kv_load_failure_policy: str = "recompute",
                  timeout_s: float | None = None) -> None:
         if kv_load_failure_policy not in FAILURE_POLICIES:
