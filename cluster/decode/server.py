@@ -73,7 +73,7 @@ class DecodeServer:
         trace: dict[str, Any] = {"decode_replica": self.name}
         try:
             if prefill is None or self.importer is None or self._prefill_here(prompt, params, trace):
-                await self.engine.call(lambda e: e.add_request(request_id, prompt, params))
+                await self.engine.add_request(request_id, prompt, params)
             else:
                 await self._remote_prefill(request_id, prompt, params, prefill, trace)
             last_at = None
@@ -113,12 +113,12 @@ class DecodeServer:
             return False
         uncached = len(prompt)  # a prompt to score is computed whole, cache or not
         if params.prompt_logprobs is None:
-            uncached -= self.engine.engine.blocks.cached_prefix_len(prompt, params.cache_salt)
+            uncached -= self.engine.cached_prefix_len(prompt, params.cache_salt)
         if limit and uncached <= limit:
             self.counters["prefilled_locally_short"] += 1
             trace["kv"] = f"short: prefilled here ({uncached} uncached tokens)"
             return True
-        extra_s = self.engine.engine.step_cost.extra_seconds(uncached) if budget_ms else None
+        extra_s = self.engine.extra_step_seconds(uncached) if budget_ms else None
         if extra_s is None or extra_s * 1e3 > budget_ms:
             return False
         self.counters["prefilled_locally_budget"] += 1
@@ -150,21 +150,20 @@ class DecodeServer:
 
     def _shares_prefix(self, prompt: list[int], params: SamplingParams) -> bool:
         """Whether R could take full blocks of its prompt from this replica's prefix cache."""
-        blocks = self.engine.engine.blocks
-        return (blocks.enable_prefix_caching and params.prompt_logprobs is None
-                and len(prompt) > blocks.block_size)
+        return (self.engine.prefix_caching and params.prompt_logprobs is None
+                and len(prompt) > self.engine.block_size)
 
     async def _reserve_and_prefill(self, rid: str, prompt: list[int], params: SamplingParams,
                                    prefill: PrefillClient, trace: dict[str, Any]) -> None:
         importer = self.importer
         assert importer is not None
-        receiver = await self.engine.call(lambda e: importer.reserve(rid, prompt, params))
+        receiver = await self.engine.call(importer.reserve, rid, prompt, params)
         if receiver is None:  # no room for R's KV right now: queue it here, prefilled locally
             self.counters["prefilled_locally_no_room"] += 1
             trace["kv"] = "no room: prefilled here"
-            await self.engine.call(lambda e: e.add_request(rid, prompt, params))
+            await self.engine.add_request(rid, prompt, params)
             return
-        trace["kv_reused_tokens"] = receiver.cached_blocks * self.engine.engine.blocks.block_size
+        trace["kv_reused_tokens"] = receiver.cached_blocks * self.engine.block_size
         try:
             handoff = await prefill_with_retries(prefill, rid, prompt, params, receiver, self._retried)
         except asyncio.CancelledError:
@@ -172,7 +171,7 @@ class DecodeServer:
         except Exception as exc:
             self.counters["prefill_failed"] += 1
             trace["kv"] = f"prefill failed ({type(exc).__name__}): {importer.policy}"
-            await self.engine.call(lambda e: importer.abandon(rid))
+            await self.engine.call(importer.abandon, rid)
             if importer.policy == "fail":
                 raise PrefillFailed(f"prefill failed: {type(exc).__name__}: {exc}") from exc
             return  # recomputed here from the prompt
@@ -193,7 +192,7 @@ class DecodeServer:
                 self._ack(prefill, handoff)
             trace["kv_receive_s"] = time.monotonic() - fetching
         # the first token goes to R's stream from the engine thread, ahead of the steps after it
-        await self.engine.call(lambda e: importer.start(rid, handoff, packed, error), deliver=True)
+        await self.engine.call(importer.start, rid, handoff, packed, error, deliver=True)
 
     def _retried(self) -> None:
         self.counters["prefill_retried"] += 1
@@ -211,23 +210,22 @@ class DecodeServer:
     def routing_stats(self) -> dict[str, Any]:
         """What the decode pool's router ranks by (router/request_routers.py), with what the prefix
         cache holds: colocated, it saves computing a prompt here; disaggregated, receiving its KV."""
-        e = self.engine.engine
-        cache = cache_report(e.blocks) if self.config.prefix_aware_routing else {}
-        return {"free_blocks": e.blocks.num_free_blocks, "num_running": len(e.scheduler.running),
-                "num_waiting": len(e.scheduler.waiting) + len(e.scheduler.remote), **cache}
+        load = self.engine.load()
+        cache = cache_report(self.engine.blocks) if self.config.prefix_aware_routing else {}
+        return {"free_blocks": load.free_blocks, "num_running": load.num_running, "num_waiting": load.num_waiting,
+                **cache}
 
     def autoscaling_stats(self) -> dict[str, float]:
         """The load DecodeAutoscaling reads (cluster/autoscaling.py)."""
-        e = self.engine.engine
-        s = e.scheduler
-        return {REQUESTS: len(s.running) + len(s.waiting) + len(s.remote),
-                BLOCKS_IN_USE: e.blocks.num_used_blocks, NUM_BLOCKS: e.blocks.num_blocks}
+        load = self.engine.load()
+        return {REQUESTS: load.num_running + load.num_waiting, BLOCKS_IN_USE: load.used_blocks,
+                NUM_BLOCKS: load.num_blocks}
 
     async def stats(self) -> dict[str, Any]:
         if self.importer is not None:
-            base = await self.engine.call(lambda e: self.importer.stats())
+            base = await self.engine.call(self.importer.stats)
         else:
-            base = await self.engine.call(lambda e: e.stats())
+            base = await self.engine.stats()
         histograms = {"vllm:inter_token_latency_seconds": self.itl.to_dict(),
                       **(self.connector.histograms() if self.connector is not None else {})}
         return {**base, **self.counters, "engine_alive": self.engine.alive, "steps": self.engine.steps,
