@@ -36,7 +36,12 @@ class KVHost:
 
     # -- prefill side ----------------------------------------------------------------
     def prefill(self, rid: str, prompt: list[int], params, receiver):
-        return self.exporter.prefill(rid, prompt, params, receiver)
+        """What PrefillServer does, stepping the engine here: R prefill-only, then its export."""
+        self.engine.add_request(rid, prompt, params, prefill_only=True)
+        out = None
+        while out is None:
+            out = next((o for o in self.engine.step() if o.request_id == rid), None)
+        return self.exporter.export(out, receiver)
 
     def prefill_and_hold(self, rid: str, prompt: list[int], params) -> str:
         """Prefill only and keep the blocks, returning the payload's sha256 (for raw sends)."""
