@@ -47,12 +47,10 @@ class ServePrefillClient:
 @serve.deployment(name="DecodePool", max_ongoing_requests=64, ray_actor_options={"num_cpus": 1})
 class DecodeDeployment(PoolReplica):
     pool = "decode"
-    faults_known = ("wedge", "delay_fetch", "slow_steps")
 
     def __init__(self, config: dict[str, Any], prefill: DeploymentHandle | None = None) -> None:
         one_torch_thread()
         super().__init__(DecodeServer(AppConfig.from_args(config)))
-        self.faults = self.server.faults  # 'delay_fetch' is consulted by the server
         self.prefill = ServePrefillClient(prefill) if prefill is not None else None
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],

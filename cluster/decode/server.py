@@ -61,7 +61,6 @@ class DecodeServer:
         self.itl = Histogram(ITL_BUCKETS)  # seconds between a request's tokens, engine clock
         self.counters: Counter[str] = Counter()
         self.last_abort_at = 0.0  # wall time an abandoned request's blocks were last freed
-        self.faults: set[str] = set()  # tests: 'delay_fetch' waits 1.5 s before the next fetch
         self._acks: set[asyncio.Task] = set()
         self._landing: dict[tuple, asyncio.Event] = {}  # (prompt, salt) → set once its KV landed here
 
@@ -179,9 +178,6 @@ class DecodeServer:
                      kv_send_s=handoff.kv_send_s, kv="ended at the first token" if handoff.finished else "landed")
         packed = error = None
         if not handoff.finished:
-            if "delay_fetch" in self.faults:
-                self.faults.discard("delay_fetch")
-                await asyncio.sleep(1.5)
             fetching = time.monotonic()
             try:
                 packed = await asyncio.to_thread(importer.fetch, rid, handoff)
@@ -233,13 +229,6 @@ class DecodeServer:
 
     def check_health(self) -> None:
         self.engine.check_health(self.config.stall_timeout_s)
-
-    def wedge(self) -> None:
-        self.engine.wedge()
-
-    def slow_steps(self) -> None:
-        """Tests: 50 ms pauses between steps for 30 s (a long request outlives its caller)."""
-        self.engine.slow_steps(0.05, 30.0)
 
     def close(self) -> None:
         self.engine.shutdown()

@@ -79,7 +79,6 @@ class AsyncEngine:
         self.idle_wait_s = idle_wait_s
         self.last_step_at = time.monotonic()  # the loop's heartbeat (idle or busy)
         self.steps = 0
-        self._slow_until, self._step_pause_s = 0.0, 0.0  # fault injection (see `slow_steps`)
         self._commands: queue.SimpleQueue[tuple[Callable[..., Any], tuple, asyncio.Future,
                                                 asyncio.AbstractEventLoop, bool]] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
@@ -181,18 +180,6 @@ class AsyncEngine:
         if stalled > stall_timeout_s:
             raise RuntimeError(f"the engine's step loop has not turned for {stalled:.1f} s: wedged")
 
-    def wedge(self) -> None:
-        """Fault injection: block the step loop for good (tests of the health check)."""
-        self._commands.put((threading.Event().wait, (), asyncio.get_running_loop().create_future(),
-                            asyncio.get_running_loop(), False))
-        self._wake.set()
-
-    def slow_steps(self, pause_s: float, for_s: float) -> None:
-        """Fault injection: pause `pause_s` after every step for the next `for_s` seconds, so a
-        test's request is surely still running when its caller goes away."""
-        self._step_pause_s = pause_s
-        self._slow_until = time.monotonic() + for_s
-
     # -- engine thread -----------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
@@ -210,9 +197,6 @@ class AsyncEngine:
                 continue
             self.steps += 1
             self._deliver(outs)
-            if self._slow_until and time.monotonic() < self._slow_until:
-                self._wake.wait(self._step_pause_s)  # a command (an abort) cuts the pause short
-                self._wake.clear()
         self._fail_all(RuntimeError("the engine shut down"))
 
     def _run_commands(self) -> None:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import os
 from typing import Any, Sequence
 
 from ray import serve
@@ -19,7 +17,6 @@ from cluster.sampling_params import SamplingParams
 @serve.deployment(name="PrefillPool", max_ongoing_requests=64, ray_actor_options={"num_cpus": 1})
 class PrefillDeployment(PoolReplica):
     pool = "prefill"
-    faults_known = ("wedge", "exit_after_handoff")
 
     def __init__(self, config: dict[str, Any]) -> None:
         one_torch_thread()
@@ -29,10 +26,7 @@ class PrefillDeployment(PoolReplica):
                       receiver: Receiver) -> PrefillHandoff:
         self._ensure_posting()
         handoff = await self.server.prefill(request_id, prompt_token_ids, params, receiver)
-        handoff = dataclasses.replace(handoff, origin=self.replica_id)
-        if "exit_after_handoff" in self.faults:  # dies with R's KV put/pushed, before decode admits it
-            asyncio.get_running_loop().call_later(0.3, os._exit, 1)
-        return handoff
+        return dataclasses.replace(handoff, origin=self.replica_id)
 
     async def ack(self, request_id: str, replica_id: str = "") -> bool:
         """`replica_id` is read by the pool's request router to pin the ack to this replica."""
