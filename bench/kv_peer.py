@@ -24,7 +24,7 @@ def median_ms(xs: list[float]) -> float:
 
 
 def kv_layout():
-    from cluster.kvtransfer.wire import KVLayout
+    from cluster.engine.kv_layout import KVLayout
 
     return KVLayout(**LAYOUT_ARGS)
 

@@ -30,7 +30,7 @@ from cluster.engine.step_cost import StepCost
 from cluster.engine.regex import regex_recognizer
 from cluster.engine.schema_compiler import schema_recognizer
 from cluster.engine.tokenizer import Tokenizer
-from cluster.kvtransfer.wire import KVLayout
+from cluster.engine.kv_layout import KVLayout
 from cluster.models.architecture import Architecture
 from cluster.models.loader import resolve_model_path
 from cluster.engine.outputs import CompletionOutput, PrefillResult, RequestOutput, TokenLogprobs

@@ -46,8 +46,8 @@ import torch
 from cluster.kvtransfer.errors import (KVFrameError, KVLayoutMismatchError, KVPeerGoneError,  # noqa: F401
                                        KVTimeoutError, KVTransferError, KVIntegrityError)
 from cluster.kvtransfer.handoff import Receipt, Receiver
-from cluster.kvtransfer.wire import (KVHeader, KVLayout, checksum, kv_view, make_header, parse_header,
-                                     sized_view)
+from cluster.engine.kv_layout import KVLayout
+from cluster.kvtransfer.wire import KVHeader, checksum, kv_view, make_header, parse_header, sized_view
 from cluster.metrics import KV_TRANSFER_BUCKETS, Histogram
 
 DEFAULT_TIMEOUT_S = 30.0

@@ -40,7 +40,8 @@ from cluster.kvtransfer.errors import (KVFrameError, KVIntegrityError, KVLayoutM
                                        KVPeerGoneError, KVTimeoutError, KVTransferError)
 from cluster.kvtransfer.mailbox import Mailbox
 from cluster.kvtransfer.rendezvous import KeyStore, TorchStore, control, current_actor
-from cluster.kvtransfer.wire import MAX_HEADER_BYTES, KVHeader, KVLayout, parse_header
+from cluster.engine.kv_layout import KVLayout
+from cluster.kvtransfer.wire import MAX_HEADER_BYTES, KVHeader, parse_header
 
 _TAG = 0
 _SEVER_TAG = 0x7FFF

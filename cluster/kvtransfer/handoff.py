@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
 from cluster.engine.outputs import TokenLogprobs
-from cluster.kvtransfer.wire import KVLayout
+from cluster.engine.kv_layout import KVLayout
 from cluster.sampling_params import SamplingParams
 
 PREFILL_RETRIES = 2

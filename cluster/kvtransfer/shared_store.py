@@ -28,7 +28,8 @@ import numpy as np
 from cluster.kvtransfer.base import Expected, KVConnector
 from cluster.kvtransfer.handoff import Receipt, Receiver
 from cluster.kvtransfer.errors import KVFrameError, KVPeerGoneError, KVTimeoutError, KVTransferError
-from cluster.kvtransfer.wire import KVHeader, KVLayout
+from cluster.engine.kv_layout import KVLayout
+from cluster.kvtransfer.wire import KVHeader
 
 
 class SharedStoreConnector(KVConnector):

@@ -29,8 +29,9 @@ from cluster.kvtransfer.base import Expected, KVConnector
 from cluster.kvtransfer.handoff import Receipt, Receiver
 from cluster.kvtransfer.errors import KVFrameError, KVPeerGoneError, KVTimeoutError, KVTransferError
 from cluster.kvtransfer.mailbox import Mailbox
-from cluster.kvtransfer.wire import (MAX_HEADER_BYTES, KVHeader, KVLayout, checksum, encode_trailer,
-                                     parse_header, parse_trailer)
+from cluster.engine.kv_layout import KVLayout
+from cluster.kvtransfer.wire import (MAX_HEADER_BYTES, KVHeader, checksum, encode_trailer, parse_header,
+                                     parse_trailer)
 
 MAGIC = b"TKV2"  # header + payload
 TRAILER = b"TKV2S"  # the payload's checksum, right behind it

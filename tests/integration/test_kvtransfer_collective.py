@@ -17,7 +17,8 @@ import ray
 import ray.cloudpickle
 import torch
 
-from cluster.kvtransfer.wire import MAX_HEADER_BYTES, KVLayout, make_header
+from cluster.engine.kv_layout import KVLayout
+from cluster.kvtransfer.wire import MAX_HEADER_BYTES, make_header
 
 LAYOUT = KVLayout("tiny@0", 2, 2, 8, 4, "float32")  # 1 KiB per block
 TIMEOUT_S = 5.0

@@ -15,7 +15,8 @@ import zmq
 from cluster.kvtransfer.errors import KVFrameError, KVIntegrityError, KVPeerGoneError, KVTimeoutError
 from cluster.kvtransfer.handoff import Receipt
 from cluster.kvtransfer.tcp import MAGIC, TRAILER, TcpConnector
-from cluster.kvtransfer.wire import KVLayout, checksum, encode_trailer, make_header
+from cluster.engine.kv_layout import KVLayout
+from cluster.kvtransfer.wire import checksum, encode_trailer, make_header
 
 LAYOUT = KVLayout("tiny@0", 2, 2, 8, 4, "float32")
 
