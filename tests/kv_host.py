@@ -41,7 +41,18 @@ class KVHost:
         out = None
         while out is None:
             out = next((o for o in self.engine.step() if o.request_id == rid), None)
-        return self.exporter.export(out, receiver)
+        from cluster.kvtransfer.handoff import PrefillHandoff
+
+        packed = self.exporter.pack(out, receiver)
+        if isinstance(packed, PrefillHandoff):  # the first token ended R
+            return packed
+        try:
+            handoff = self.exporter.send(packed, receiver)
+        except BaseException:
+            self.exporter.fail(rid)
+            raise
+        self.exporter.lease(rid)
+        return handoff
 
     def prefill_and_hold(self, rid: str, prompt: list[int], params) -> str:
         """Prefill only and keep the blocks, returning the payload's sha256 (for raw sends)."""

@@ -1,27 +1,38 @@
 """The prefill half of the hand-off (cluster/kvtransfer/handoff.py): once R's prompt is computed
-(a prefill-only request on the engine), send its KV to the decode side's receiver and hold R's
-blocks under a lease until the ack. A plain object driven by PrefillServer (prefill/server.py);
-every method runs on the engine thread.
+(a prefill-only request on the engine), pack its KV, send it to the decode side's receiver and
+hold R's blocks under a lease until the ack. A plain object driven by PrefillServer
+(prefill/server.py): `send` touches no engine state and runs off the engine thread (a slow
+transfer holds up no step); every other method runs on it.
 
-    export(R's output, receiver)  → first token ended R: nothing held, nothing sent
-                                  → else export_kv(R) but the blocks the receiver holds
-                                  → connector.send → lease(R) starts
-    ack(R)                        → release R's blocks (late acks are counted, ignored)
-    reap()                        → release every R whose lease expired unacknowledged
-    drop(R)                       → R's caller went away: release whatever R holds, now
+    pack(R's output, receiver)  → first token ended R: a finished PrefillHandoff, nothing held
+                                → else R's KV packed, but the blocks the receiver holds
+    send(R's packed KV)         → connector.send → the PrefillHandoff (on an error: fail(R))
+    lease(R)                    → R's blocks are held until ack(R) or the lease expires
+    ack(R)                      → release R's blocks (late acks are counted, ignored)
+    reap()                      → release every R whose lease expired unacknowledged
+    fail(R) / drop(R)           → the send failed / R's caller went away: release R's blocks now
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
+
+import torch
 
 from cluster.engine.engine import LLMEngine
-from cluster.engine.outputs import RequestOutput
+from cluster.engine.outputs import PrefillResult, RequestOutput
 from cluster.kvtransfer.base import KVConnector
 from cluster.kvtransfer.errors import KVTransferError
 from cluster.kvtransfer.handoff import PrefillHandoff, Receiver
+
+
+class PackedKV(NamedTuple):
+    """R's prompt KV packed for the connector, with what its hand-off carries."""
+
+    result: PrefillResult
+    payload: torch.Tensor  # [L, 2, n, block_size, Hkv, D]
 
 
 class KVExporter:
@@ -34,9 +45,9 @@ class KVExporter:
         self.leases: dict[str, float] = {}
         self.counters: Counter[str] = Counter()
 
-    def export(self, out: RequestOutput, receiver: Receiver) -> PrefillHandoff:
-        """R's prefill-only run gave `out` (its first token): ship R's KV to `receiver` and start
-        R's lease. On a send error R's blocks are freed and it raises."""
+    def pack(self, out: RequestOutput, receiver: Receiver) -> PrefillHandoff | PackedKV:
+        """R's prefill-only run gave `out` (its first token): R's KV to send, or, when the first
+        token already ended R, its finished hand-off."""
         request_id, done = out.request_id, out.outputs[0]
         if done.finish_reason is not None:  # ended on its first token: nothing held
             return PrefillHandoff(request_id, done.token_ids[0], (done.logprobs or [None])[0],
@@ -44,21 +55,34 @@ class KVExporter:
                                   num_prompt_tokens=len(out.prompt_token_ids), num_cached_tokens=out.num_cached_tokens,
                                   prompt_logprobs=None if out.prompt_logprobs is None else out.prompt_logprobs[1:])
         result = self.engine.take_prefilled(request_id)
-        try:  # not a lease yet: whatever fails here frees R's blocks at once
-            # the leading blocks the receiver holds already (its prefix cache) are not sent
-            payload = self.engine.export_kv(request_id, receiver.cached_blocks)
-            sending = time.monotonic()
-            receipt = self.connector.send(request_id, len(result.prompt_token_ids), payload, receiver)
-        except BaseException as exc:
+        try:  # the leading blocks the receiver holds already (its prefix cache) are not sent
+            return PackedKV(result, self.engine.export_kv(request_id, receiver.cached_blocks))
+        except BaseException:
             self.engine.release(request_id)
-            if isinstance(exc, KVTransferError):
-                self.counters["send_failed"] += 1
             raise
-        self.leases[request_id] = self.clock() + self.lease_s
-        return PrefillHandoff(request_id, result.first_token, result.first_logprobs, receipt,
+
+    def send(self, packed: PackedKV, receiver: Receiver) -> PrefillHandoff:
+        """Ship R's packed KV to `receiver` (any thread: no engine state). On an error, call
+        `fail(R)` on the engine thread."""
+        result, payload = packed
+        sending = time.monotonic()
+        try:
+            receipt = self.connector.send(result.request_id, len(result.prompt_token_ids), payload, receiver)
+        except KVTransferError:
+            self.counters["send_failed"] += 1
+            raise
+        return PrefillHandoff(result.request_id, result.first_token, result.first_logprobs, receipt,
                               num_prompt_tokens=len(result.prompt_token_ids),
                               kv_send_s=time.monotonic() - sending, kv_bytes=payload.numel() * payload.element_size(),
                               prompt_logprobs=result.prompt_logprobs, num_cached_tokens=result.num_cached_tokens)
+
+    def lease(self, request_id: str) -> None:
+        """R's KV was sent: its blocks stay held until the ack, or `lease_s` from now."""
+        self.leases[request_id] = self.clock() + self.lease_s
+
+    def fail(self, request_id: str) -> None:
+        """R's send failed (not a lease yet): free its blocks at once."""
+        self.engine.release(request_id)
 
     def ack(self, request_id: str) -> bool:
         """The decode side is done with R's KV (landed or given up): free R's blocks."""

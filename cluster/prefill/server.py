@@ -2,8 +2,8 @@
 (AsyncEngine): each prompt is a prefill-only request on the engine's queue, so the scheduler
 batches several prompts into one step (chunked, within `max_num_batched_tokens`) and, under
 `scheduling_policy: priority`, admits them by (priority, arrival). When R's prompt is computed,
-the exporter (prefill/exporter.py) sends its KV on the engine thread and holds R's blocks under
-a lease; acks free them, a timer reaps expired leases.
+the exporter (prefill/exporter.py) packs its KV on the engine thread and sends it off it, then
+holds R's blocks under a lease; acks free them, a timer reaps expired leases.
 
 The Serve deployment (cluster/prefill/deployment.py) is a thin shell over this class.
 """
@@ -23,7 +23,7 @@ from cluster.engine.engine import LLMEngine
 from cluster.engine.outputs import RequestOutput
 from cluster.kvtransfer.connectors import create_connector
 from cluster.kvtransfer.handoff import PrefillHandoff, Receiver
-from cluster.prefill.exporter import KVExporter
+from cluster.prefill.exporter import KVExporter, PackedKV
 from cluster.sampling_params import SamplingParams
 
 
@@ -59,7 +59,11 @@ class PrefillServer:
             async for outs in stream:  # one output: the first token, once the prompt is computed
                 out = outs[-1]
             assert out is not None
-            handoff = await self.engine.call(self.exporter.export, out, receiver)
+            packed = await self.engine.call(self.exporter.pack, out, receiver)
+            if not isinstance(packed, PrefillHandoff):
+                handoff = await self._send(packed, receiver)
+            else:  # the first token ended R: nothing to send
+                handoff = packed
             return dataclasses.replace(handoff, prefill_s=time.monotonic() - arrived)
         except asyncio.CancelledError:
             cancelled = True
@@ -69,6 +73,21 @@ class PrefillServer:
             # its own task: a caller that cancels us again while we wait must not cut it short
             closing = asyncio.ensure_future(self._close(request_id, cancelled))
             await asyncio.shield(closing)
+
+    async def _send(self, packed: PackedKV, receiver: Receiver) -> PrefillHandoff:
+        """Send off the engine thread (the next steps go on meanwhile); then R's lease starts."""
+        rid = packed.result.request_id
+        sending = asyncio.ensure_future(asyncio.to_thread(self.exporter.send, packed, receiver))
+        try:
+            handoff = await asyncio.shield(sending)
+        except asyncio.CancelledError:  # R's blocks stay held until its transfer has ended
+            await asyncio.wait([sending])
+            raise
+        except BaseException:
+            await self.engine.call(self.exporter.fail, rid)
+            raise
+        await self.engine.call(self.exporter.lease, rid)
+        return handoff
 
     async def _close(self, request_id: str, cancelled: bool) -> None:
         await self.engine.close_stream(request_id)  # aborts R if its prompt was not computed yet
