@@ -30,7 +30,7 @@ from cluster.engine.structured.base import StructuredBackend
 from cluster.engine.structured.constraint import Constraint
 from cluster.engine.structured.registry import create_backend
 from cluster.engine.tokenizer import Tokenizer
-from cluster.kvtransfer.wire import KVLayout
+from cluster.engine.kv_layout import KVLayout
 from cluster.models.architecture import Architecture
 from cluster.models.loader import resolve_model_path
 from cluster.engine.outputs import CompletionOutput, PrefillResult, RequestOutput, TokenLogprobs

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from cluster import SamplingParams
+from cluster.kvtransfer.handoff import Receipt
 
 CONNECTORS = ["shared_store", "tcp", "collective"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -131,7 +132,7 @@ def test_bad_payloads_are_refused_counted_and_the_engines_keep_serving(pair, ray
         receipt = ray.get(p.send_raw.remote(rid, receiver, mode))
     except Exception as exc:  # the receiver may refuse on the spot (tcp replies with the error)
         assert error in repr(exc)
-        receipt = {}
+        receipt = Receipt()
     got = ray.get(d.receive_error.remote(rid, receipt, 5.0))
     assert got is not None and (error in got or connector != "shared_store" and "KVTimeoutError" in got), got
     # still serving: a clean hand-off right after gives the colocated tokens
@@ -214,7 +215,7 @@ def test_peer_gone_before_and_after_send(connector, ray_local, tiny_model_paths)
 
 @pytest.mark.parametrize("connector", ["tcp", "shared_store"])
 def test_failure_policy_fail_ends_the_request_with_the_typed_error(connector, ray_local, tiny_model_paths):
-    from cluster.prefill.worker import PrefillHandoff
+    from cluster.kvtransfer.handoff import PrefillHandoff
 
     ray = ray_local
     model = tiny_model_paths["llama"]
