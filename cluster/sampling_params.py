@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from cluster.structured_output import StructuredOutput
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_LOGPROBS = 20
@@ -31,14 +33,12 @@ class SamplingParams:
     `bad_words_token_ids` (vLLM's `bad_words`, tokenized by the router) bans each sequence's last
     token wherever the output ends with the ones before it. `logit_bias` adds a bias in
     [-100, 100] to the logits of the token ids it names before sampling (-100 bans a token in
-    practice, 100 all but forces it), as OpenAI's `logit_bias`. `json_object` constrains the
-    output to one JSON object (OpenAI's `response_format: {"type": "json_object"}`; see
-    engine/json_mode.py), `json_schema` to one value of a JSON Schema, given as JSON text
-    (OpenAI's `response_format: {"type": "json_schema"}`; engine/json_schema.py says what is
-    supported, and anything else is refused here), `regex` to a match of a regular expression
-    (vLLM's `structured_outputs` regex, and choice as a pattern; engine/regex.py). `prior_output_tokens` says how many of the
-    prompt's last tokens are the request's own earlier output (a migrated request), which JSON
-    mode and json_schema continue from. `cache_salt` (vLLM's) keeps the request's prefix-cache
+    practice, 100 all but forces it), as OpenAI's `logit_bias`. `structured` holds the reply to
+    a JSON object, a JSON schema, a regex, a choice, an EBNF grammar or a structural tag
+    (cluster/structured_output.py says what each takes and what is refused; the engine enforces
+    it through engine/structured/). `prior_output_tokens` says how many of the prompt's last
+    tokens are the request's own earlier output (a migrated request), which a structured reply
+    continues from. `cache_salt` (vLLM's) keeps the request's prefix-cache
     blocks apart from those of requests without the same salt: tenants that do not share a salt
     never hit each other's cache, so none can time another's prompts. `priority` (vLLM's request
     priority, carried here so it travels with the request through both pools): under the engine's
@@ -63,9 +63,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids unique
-    json_object: bool = False
-    json_schema: str | None = None
-    regex: str | None = None
+    structured: StructuredOutput | None = None
     include_stop_str_in_output: bool = False
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
@@ -151,18 +149,8 @@ class SamplingParams:
         self._validate_token_sets()
         if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
             raise bad("logit_bias names a token id more than once")
-        if self.json_schema is not None:
-            from cluster.engine.schema_compiler import schema_recognizer
-
-            if self.json_object:
-                raise bad("json_object and json_schema exclude each other")
-            schema_recognizer(self.json_schema)  # raises SchemaError (a ValueError) naming what is refused
-        if self.regex is not None:
-            from cluster.engine.regex import regex_recognizer
-
-            if self.json_object or self.json_schema is not None:
-                raise bad("regex excludes json_object and json_schema")
-            regex_recognizer(self.regex)  # raises RegexError (a ValueError) naming what is refused
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise bad("structured must be a StructuredOutput")
 
     def _validate_token_sets(self) -> None:
         def ids(xs: tuple) -> bool:

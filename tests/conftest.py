@@ -39,7 +39,6 @@ def ray_local():
     repo_dir = os.path.dirname(tests_dir)  # this checkout's cluster/, not whichever one pip installed
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([tests_dir, repo_dir]),
-                                          "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "0"),
-                                          "TANDEM_FAULT_INJECTION": "1"}})  # tests inject faults
+                                          "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "0")}})
     yield ray
     ray.shutdown()

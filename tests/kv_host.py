@@ -21,22 +21,38 @@ class KVHost:
                  policy: str = "recompute") -> None:
         torch.set_num_threads(1)
         from cluster.config import EngineConfig
-        from cluster.decode.worker import DecodeWorker
+        from cluster.decode.importer import KVImporter
         from cluster.engine.engine import LLMEngine
         from cluster.kvtransfer.connectors import create_connector
-        from cluster.prefill.worker import PrefillWorker
+        from cluster.prefill.exporter import KVExporter
 
         self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args))
         self.conn = create_connector(connector, self.engine.kv_layout(), **(connector_options or {}))
-        self.prefill_worker = PrefillWorker(self.engine, self.conn, lease_s)
-        self.decode_worker = DecodeWorker(self.engine, self.conn, policy)
+        self.exporter = KVExporter(self.engine, self.conn, lease_s)
+        self.importer = KVImporter(self.engine, self.conn, policy)
 
     def kv_control(self, op: str, args: dict[str, Any]) -> Any:
         return self.conn.on_control(op, args)
 
     # -- prefill side ----------------------------------------------------------------
-    def prefill(self, rid: str, prompt: list[int], params, receiver: dict[str, Any]):
-        return self.prefill_worker.prefill(rid, prompt, params, receiver)
+    def prefill(self, rid: str, prompt: list[int], params, receiver):
+        """What PrefillServer does, stepping the engine here: R prefill-only, then its export."""
+        self.engine.add_request(rid, prompt, params, prefill_only=True)
+        out = None
+        while out is None:
+            out = next((o for o in self.engine.step() if o.request_id == rid), None)
+        from cluster.kvtransfer.handoff import PrefillHandoff
+
+        packed = self.exporter.pack(out, receiver)
+        if isinstance(packed, PrefillHandoff):  # the first token ended R
+            return packed
+        try:
+            handoff = self.exporter.send(packed, receiver)
+        except BaseException:
+            self.exporter.fail(rid)
+            raise
+        self.exporter.lease(rid)
+        return handoff
 
     def prefill_and_hold(self, rid: str, prompt: list[int], params) -> str:
         """Prefill only and keep the blocks, returning the payload's sha256 (for raw sends)."""
@@ -46,7 +62,7 @@ class KVHost:
         self._held = self.engine.take_prefilled(rid)
         return hashlib.sha256(self.engine.export_kv(rid).numpy().tobytes()).hexdigest()
 
-    def send_raw(self, rid: str, receiver: dict[str, Any], mode: str) -> dict[str, Any]:
+    def send_raw(self, rid: str, receiver, mode: str):
         """Send the held request's KV with a deliberate defect; always releases the blocks."""
         from cluster.kvtransfer.wire import make_header
 
@@ -67,24 +83,24 @@ class KVHost:
             self.engine.release(rid)
 
     def ack(self, rid: str) -> bool:
-        return self.prefill_worker.ack(rid)
+        return self.exporter.ack(rid)
 
     def reap(self) -> list[str]:
-        return self.prefill_worker.reap()
+        return self.exporter.reap()
 
     # -- decode side -----------------------------------------------------------------
-    def reserve(self, rid: str, prompt: list[int], params) -> dict[str, Any] | None:
-        return self.decode_worker.reserve(rid, prompt, params)
+    def reserve(self, rid: str, prompt: list[int], params):
+        return self.importer.reserve(rid, prompt, params)
 
     def start(self, rid: str, handoff) -> list[int]:
-        self.decode_worker.start(rid, handoff)
+        self.importer.start(rid, handoff)
         return self._finish(rid)
 
     def abandon(self, rid: str) -> list[int]:
-        self.decode_worker.abandon(rid)
+        self.importer.abandon(rid)
         return self._finish(rid)
 
-    def imported_sha(self, rid: str, receipt: dict[str, Any]) -> str:
+    def imported_sha(self, rid: str, receipt) -> str:
         """Receive + import, then re-pack the decode side's own blocks and hash them."""
         packed = self.conn.receive(rid, receipt)
         req = self.engine.scheduler.remote[rid]
@@ -107,7 +123,7 @@ class KVHost:
                     tokens = out.outputs[0].token_ids
         return tokens
 
-    def receive_error(self, rid: str, receipt: dict[str, Any], timeout_s: float) -> str | None:
+    def receive_error(self, rid: str, receipt, timeout_s: float) -> str | None:
         """Try to receive; the error's class name (None if it landed). Frees R's blocks after."""
         from cluster.kvtransfer.errors import KVTransferError
 
@@ -120,7 +136,7 @@ class KVHost:
         return error
 
     def stats(self) -> dict[str, Any]:
-        return {**self.engine.stats(), **self.prefill_worker.counters, **self.decode_worker.counters,
+        return {**self.engine.stats(), **self.exporter.counters, **self.importer.counters,
                 **{f"kv_{k}": v for k, v in self.conn.stats().items()}}
 
     def pid(self) -> int:

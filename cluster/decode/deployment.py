@@ -13,9 +13,8 @@ from ray.serve.handle import DeploymentHandle
 from cluster.config import AppConfig
 from cluster.decode.server import DecodeServer
 from cluster.engine.outputs import TokenDelta
-from cluster.handoff import PrefillReplicaLost
 from cluster.pool_replica import PoolReplica, one_torch_thread
-from cluster.prefill.worker import PrefillHandoff
+from cluster.kvtransfer.handoff import PrefillHandoff, PrefillReplicaLost, Receiver
 from cluster.sampling_params import SamplingParams
 
 class ServePrefillClient:
@@ -28,7 +27,7 @@ class ServePrefillClient:
         self.handle = handle.options(_by_reference=True)
 
     async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                      receiver: dict[str, Any]) -> PrefillHandoff:
+                      receiver: Receiver) -> PrefillHandoff:
         from ray import exceptions as rex
 
         response = self.handle.prefill.remote(request_id, list(prompt_token_ids), params, receiver)
@@ -48,12 +47,10 @@ class ServePrefillClient:
 @serve.deployment(name="DecodePool", max_ongoing_requests=64, ray_actor_options={"num_cpus": 1})
 class DecodeDeployment(PoolReplica):
     pool = "decode"
-    faults_known = ("wedge", "delay_fetch", "slow_steps")
 
     def __init__(self, config: dict[str, Any], prefill: DeploymentHandle | None = None) -> None:
         one_torch_thread()
         super().__init__(DecodeServer(AppConfig.from_args(config)))
-        self.faults = self.server.faults  # 'delay_fetch' is consulted by the server
         self.prefill = ServePrefillClient(prefill) if prefill is not None else None
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],

@@ -28,31 +28,20 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from typing import Any, AsyncIterator, Protocol, Sequence
+from typing import Any, AsyncIterator, Sequence
 
 from cluster.autoscaling import BLOCKS_IN_USE, NUM_BLOCKS, REQUESTS
 from cluster.config import AppConfig
-from cluster.decode.worker import DecodeWorker
+from cluster.decode.importer import KVImporter
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import LLMEngine
-from cluster.handoff import PrefillFailed, PrefillReplicaLost
 from cluster.kvtransfer.connectors import create_connector
 from cluster.kvtransfer.errors import KVTransferError
+from cluster.kvtransfer.handoff import PrefillClient, PrefillFailed, PrefillHandoff, prefill_with_retries
 from cluster.metrics import ITL_BUCKETS, Histogram
 from cluster.engine.outputs import TokenDelta
-from cluster.prefill.worker import PrefillHandoff
 from cluster.cache_report import cache_report
 from cluster.sampling_params import SamplingParams
-
-
-PREFILL_RETRIES = 2
-
-
-class PrefillClient(Protocol):
-    async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                      receiver: dict[str, Any]) -> PrefillHandoff: ...
-
-    async def ack(self, handoff: PrefillHandoff) -> None: ...
 
 
 class DecodeServer:
@@ -60,11 +49,11 @@ class DecodeServer:
         self.config = config
         engine = engine or LLMEngine(config.engine)
         self.connector = None
-        self.worker: DecodeWorker | None = None
+        self.importer: KVImporter | None = None
         if config.mode == "disaggregated":
             kv = config.kv_transfer
             self.connector = create_connector(kv.connector, engine.kv_layout(), **kv.connector_options("decode"))
-            self.worker = DecodeWorker(engine, self.connector, kv.kv_load_failure_policy, kv.timeout_s)
+            self.importer = KVImporter(engine, self.connector, kv.kv_load_failure_policy, kv.timeout_s)
             if config.local_prefill_budget_ms:  # know what a token costs before the first request
                 engine.calibrate()
         self.engine = AsyncEngine(engine)
@@ -72,7 +61,6 @@ class DecodeServer:
         self.itl = Histogram(ITL_BUCKETS)  # seconds between a request's tokens, engine clock
         self.counters: Counter[str] = Counter()
         self.last_abort_at = 0.0  # wall time an abandoned request's blocks were last freed
-        self.faults: set[str] = set()  # tests: 'delay_fetch' waits 1.5 s before the next fetch
         self._acks: set[asyncio.Task] = set()
         self._landing: dict[tuple, asyncio.Event] = {}  # (prompt, salt) → set once its KV landed here
 
@@ -83,8 +71,8 @@ class DecodeServer:
         stream = self.engine.open(request_id)
         trace: dict[str, Any] = {"decode_replica": self.name}
         try:
-            if prefill is None or self.worker is None or self._prefill_here(prompt, params, trace):
-                await self.engine.call(lambda e: e.add_request(request_id, prompt, params))
+            if prefill is None or self.importer is None or self._prefill_here(prompt, params, trace):
+                await self.engine.add_request(request_id, prompt, params)
             else:
                 await self._remote_prefill(request_id, prompt, params, prefill, trace)
             last_at = None
@@ -124,12 +112,12 @@ class DecodeServer:
             return False
         uncached = len(prompt)  # a prompt to score is computed whole, cache or not
         if params.prompt_logprobs is None:
-            uncached -= self.engine.engine.blocks.cached_prefix_len(prompt, params.cache_salt)
+            uncached -= self.engine.cached_prefix_len(prompt, params.cache_salt)
         if limit and uncached <= limit:
             self.counters["prefilled_locally_short"] += 1
             trace["kv"] = f"short: prefilled here ({uncached} uncached tokens)"
             return True
-        extra_s = self.engine.engine.step_cost.extra_seconds(uncached) if budget_ms else None
+        extra_s = self.engine.extra_step_seconds(uncached) if budget_ms else None
         if extra_s is None or extra_s * 1e3 > budget_ms:
             return False
         self.counters["prefilled_locally_budget"] += 1
@@ -138,8 +126,8 @@ class DecodeServer:
 
     async def _remote_prefill(self, rid: str, prompt: list[int], params: SamplingParams,
                               prefill: PrefillClient, trace: dict[str, Any]) -> None:
-        worker = self.worker
-        assert worker is not None
+        importer = self.importer
+        assert importer is not None
         key = (tuple(prompt), params.cache_salt)
         ahead = self._landing.get(key)
         if ahead is None:
@@ -161,63 +149,49 @@ class DecodeServer:
 
     def _shares_prefix(self, prompt: list[int], params: SamplingParams) -> bool:
         """Whether R could take full blocks of its prompt from this replica's prefix cache."""
-        blocks = self.engine.engine.blocks
-        return (blocks.enable_prefix_caching and params.prompt_logprobs is None
-                and len(prompt) > blocks.block_size)
+        return (self.engine.prefix_caching and params.prompt_logprobs is None
+                and len(prompt) > self.engine.block_size)
 
     async def _reserve_and_prefill(self, rid: str, prompt: list[int], params: SamplingParams,
                                    prefill: PrefillClient, trace: dict[str, Any]) -> None:
-        worker = self.worker
-        assert worker is not None
-        receiver = await self.engine.call(lambda e: worker.reserve(rid, prompt, params))
+        importer = self.importer
+        assert importer is not None
+        receiver = await self.engine.call(importer.reserve, rid, prompt, params)
         if receiver is None:  # no room for R's KV right now: queue it here, prefilled locally
             self.counters["prefilled_locally_no_room"] += 1
             trace["kv"] = "no room: prefilled here"
-            await self.engine.call(lambda e: e.add_request(rid, prompt, params))
+            await self.engine.add_request(rid, prompt, params)
             return
-        trace["kv_reused_tokens"] = receiver["cached_blocks"] * self.engine.engine.blocks.block_size
+        trace["kv_reused_tokens"] = receiver.cached_blocks * self.engine.block_size
         try:
-            handoff = await self._prefill_with_retries(rid, prompt, params, receiver, prefill)
+            handoff = await prefill_with_retries(prefill, rid, prompt, params, receiver, self._retried)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             self.counters["prefill_failed"] += 1
-            trace["kv"] = f"prefill failed ({type(exc).__name__}): {worker.policy}"
-            await self.engine.call(lambda e: worker.abandon(rid))
-            if worker.policy == "fail":
+            trace["kv"] = f"prefill failed ({type(exc).__name__}): {importer.policy}"
+            await self.engine.call(importer.abandon, rid)
+            if importer.policy == "fail":
                 raise PrefillFailed(f"prefill failed: {type(exc).__name__}: {exc}") from exc
             return  # recomputed here from the prompt
         trace.update(prefill_replica=handoff.origin, prefill_s=handoff.prefill_s, kv_bytes=handoff.kv_bytes,
                      kv_send_s=handoff.kv_send_s, kv="ended at the first token" if handoff.finished else "landed")
         packed = error = None
         if not handoff.finished:
-            if "delay_fetch" in self.faults:
-                self.faults.discard("delay_fetch")
-                await asyncio.sleep(1.5)
             fetching = time.monotonic()
             try:
-                packed = await asyncio.to_thread(worker.fetch, rid, handoff)
+                packed = await asyncio.to_thread(importer.fetch, rid, handoff)
             except KVTransferError as exc:
                 error = exc
-                trace["kv"] = f"{exc.kind}: {worker.policy}"
+                trace["kv"] = f"{exc.kind}: {importer.policy}"
             finally:  # landed, failed or cancelled: the prefill side may free R's blocks now
                 self._ack(prefill, handoff)
             trace["kv_receive_s"] = time.monotonic() - fetching
         # the first token goes to R's stream from the engine thread, ahead of the steps after it
-        await self.engine.call(lambda e: worker.start(rid, handoff, packed, error), deliver=True)
+        await self.engine.call(importer.start, rid, handoff, packed, error, deliver=True)
 
-    async def _prefill_with_retries(self, rid: str, prompt: list[int], params: SamplingParams,
-                                    receiver: dict[str, Any], prefill: PrefillClient) -> PrefillHandoff:
-        """Ask the prefill pool; a replica lost before answering is retried on another one
-        (`PREFILL_RETRIES` times: the pool's router no longer picks a dead replica)."""
-        for attempt in range(PREFILL_RETRIES + 1):
-            try:
-                return await prefill.prefill(rid, prompt, params, receiver)
-            except PrefillReplicaLost:
-                if attempt == PREFILL_RETRIES:
-                    raise
-                self.counters["prefill_retried"] += 1
-        raise AssertionError("unreachable")
+    def _retried(self) -> None:
+        self.counters["prefill_retried"] += 1
 
     def _ack(self, prefill: PrefillClient, handoff: PrefillHandoff) -> None:
         task = asyncio.get_running_loop().create_task(prefill.ack(handoff))
@@ -232,23 +206,22 @@ class DecodeServer:
     def routing_stats(self) -> dict[str, Any]:
         """What the decode pool's router ranks by (router/request_routers.py), with what the prefix
         cache holds: colocated, it saves computing a prompt here; disaggregated, receiving its KV."""
-        e = self.engine.engine
-        cache = cache_report(e.blocks) if self.config.prefix_aware_routing else {}
-        return {"free_blocks": e.blocks.num_free_blocks, "num_running": len(e.scheduler.running),
-                "num_waiting": len(e.scheduler.waiting) + len(e.scheduler.remote), **cache}
+        load = self.engine.load()
+        cache = cache_report(self.engine.blocks) if self.config.prefix_aware_routing else {}
+        return {"free_blocks": load.free_blocks, "num_running": load.num_running, "num_waiting": load.num_waiting,
+                **cache}
 
     def autoscaling_stats(self) -> dict[str, float]:
         """The load DecodeAutoscaling reads (cluster/autoscaling.py)."""
-        e = self.engine.engine
-        s = e.scheduler
-        return {REQUESTS: len(s.running) + len(s.waiting) + len(s.remote),
-                BLOCKS_IN_USE: e.blocks.num_used_blocks, NUM_BLOCKS: e.blocks.num_blocks}
+        load = self.engine.load()
+        return {REQUESTS: load.num_running + load.num_waiting, BLOCKS_IN_USE: load.used_blocks,
+                NUM_BLOCKS: load.num_blocks}
 
     async def stats(self) -> dict[str, Any]:
-        if self.worker is not None:
-            base = await self.engine.call(lambda e: self.worker.stats())
+        if self.importer is not None:
+            base = await self.engine.call(self.importer.stats)
         else:
-            base = await self.engine.call(lambda e: e.stats())
+            base = await self.engine.stats()
         histograms = {"vllm:inter_token_latency_seconds": self.itl.to_dict(),
                       **(self.connector.histograms() if self.connector is not None else {})}
         return {**base, **self.counters, "engine_alive": self.engine.alive, "steps": self.engine.steps,
@@ -256,13 +229,6 @@ class DecodeServer:
 
     def check_health(self) -> None:
         self.engine.check_health(self.config.stall_timeout_s)
-
-    def wedge(self) -> None:
-        self.engine.wedge()
-
-    def slow_steps(self) -> None:
-        """Tests: 50 ms pauses between steps for 30 s (a long request outlives its caller)."""
-        self.engine.slow_steps(0.05, 30.0)
 
     def close(self) -> None:
         self.engine.shutdown()

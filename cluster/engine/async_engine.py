@@ -1,13 +1,16 @@
 """An `LLMEngine` driven by one step-loop thread, for asyncio callers (the Serve replicas).
 
-    asyncio caller                       engine thread
-    --------------                       -------------
-    await call(fn)  ── command ──▶       runs fn(engine) between two steps, returns its value
-    async for outs in stream(R)  ◀──     step() outputs, coalesced per request: whatever R
-                                         produced since the caller last looked, in one list
+    asyncio caller                          engine thread
+    --------------                          -------------
+    await add_request(R, ...)  ── command ──▶  runs LLMEngine.add_request between two steps
+    await call(importer.reserve, R, ...)    runs any named callable there, returns its value
+    async for outs in open(R)  ◀──          step() outputs, coalesced per request: whatever R
+                                            produced since the caller last looked, in one list
 
-The engine itself is single-threaded: every mutation goes through `call`, so the scheduler
-and block manager need no locks. A consumer that falls behind gets several tokens per item
+The engine itself is single-threaded: every mutation goes through a command, so the scheduler
+and block manager need no locks. The servers never touch the `LLMEngine` themselves: they ask
+this class (`cached_prefix_len`, `load`, ...), whose queries read plain values from the loop's
+thread (a snapshot may fall mid-step; that is all a routing or admission estimate needs). A consumer that falls behind gets several tokens per item
 instead of one item per token (Serve pays ~1 ms of CPU per streamed chunk). Closing a stream
 before its request finished aborts the request and frees its blocks.
 """
@@ -18,10 +21,12 @@ import asyncio
 import queue
 import threading
 import time
-from typing import Any, AsyncIterator, Callable, TypeVar
+from typing import Any, AsyncIterator, Callable, NamedTuple, Sequence, TypeVar
 
+from cluster.engine.block_manager import BlockManager
 from cluster.engine.engine import LLMEngine
 from cluster.engine.outputs import RequestOutput
+from cluster.sampling_params import SamplingParams
 
 T = TypeVar("T")
 
@@ -58,14 +63,23 @@ class RequestStream:
                 return
 
 
+class EngineLoad(NamedTuple):
+    """What a replica's router and autoscaler read of its engine (a snapshot)."""
+
+    num_running: int
+    num_waiting: int  # queued for a step, or for their remote KV
+    free_blocks: int
+    used_blocks: int
+    num_blocks: int
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05) -> None:
-        self.engine = engine
+        self.engine = engine  # owned by the engine thread: reach it through commands
         self.idle_wait_s = idle_wait_s
         self.last_step_at = time.monotonic()  # the loop's heartbeat (idle or busy)
         self.steps = 0
-        self._slow_until, self._step_pause_s = 0.0, 0.0  # fault injection (see `slow_steps`)
-        self._commands: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], asyncio.Future,
+        self._commands: queue.SimpleQueue[tuple[Callable[..., Any], tuple, asyncio.Future,
                                                 asyncio.AbstractEventLoop, bool]] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._wake = threading.Event()
@@ -74,8 +88,9 @@ class AsyncEngine:
         self._thread.start()
 
     # -- asyncio side ------------------------------------------------------------------
-    async def call(self, fn: Callable[[LLMEngine], T], deliver: bool = False) -> T:
-        """Run `fn(engine)` on the engine thread between steps; its exception is re-raised here.
+    async def call(self, fn: Callable[..., T], *args: Any, deliver: bool = False) -> T:
+        """Run `fn(*args)` on the engine thread between steps; its exception is re-raised here.
+        `fn` is a named method of the engine or of an object driving it (KVImporter, KVExporter).
 
         `deliver`: a `RequestOutput` that fn returns also goes to its request's stream, from the
         engine thread, so it stays ahead of what the next steps produce (the caller resuming
@@ -84,9 +99,54 @@ class AsyncEngine:
             raise RuntimeError("the engine is shut down")
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
-        self._commands.put((fn, fut, loop, deliver))
+        self._commands.put((fn, args, fut, loop, deliver))
         self._wake.set()
         return await fut
+
+    async def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                          prefill_only: bool = False) -> None:
+        """R joins the engine's queue (open its stream first). `prefill_only`: R finishes once its
+        prompt is computed and its first token sampled, its blocks held for the hand-off."""
+        await self.call(self._add, request_id, list(prompt_token_ids), params, prefill_only)
+
+    def _add(self, request_id: str, prompt: list[int], params: SamplingParams, prefill_only: bool) -> None:
+        self.engine.add_request(request_id, prompt, params, prefill_only)
+
+    async def abort(self, request_id: str) -> bool:
+        """Stop R wherever it is (queued, running, or holding blocks for a hand-off); free its blocks."""
+        return await self.call(self.engine.abort_request, request_id)
+
+    async def stats(self) -> dict[str, Any]:
+        return await self.call(self.engine.stats)
+
+    # -- queries, from the loop's thread (snapshots) ---------------------------------------
+    @property
+    def blocks(self) -> BlockManager:
+        """The block manager, for read-only reports (its prefix cache: cluster/cache_report.py)."""
+        return self.engine.blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.engine.blocks.block_size
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.engine.blocks.enable_prefix_caching
+
+    def cached_prefix_len(self, prompt_token_ids: list[int], salt: str | None) -> int:
+        """Tokens of this prompt the prefix cache would serve now."""
+        return self.engine.blocks.cached_prefix_len(prompt_token_ids, salt)
+
+    def extra_step_seconds(self, num_tokens: int) -> float | None:
+        """What `num_tokens` more tokens would add to a step (this engine's measured cost per
+        token); None until it is known."""
+        return self.engine.step_cost.extra_seconds(num_tokens)
+
+    def load(self) -> EngineLoad:
+        e = self.engine
+        s = e.scheduler
+        return EngineLoad(len(s.running), len(s.waiting) + len(s.remote), e.blocks.num_free_blocks,
+                          e.blocks.num_used_blocks, e.blocks.num_blocks)
 
     def open(self, request_id: str) -> RequestStream:
         """Register R's stream before R enters the engine, so no output is missed."""
@@ -100,17 +160,7 @@ class AsyncEngine:
         """Forget R's stream; abort R if it has not finished (the caller went away)."""
         stream = self._streams.pop(request_id, None)
         if stream is not None and not stream.finished:
-            await asyncio.shield(self.call(lambda e: e.abort_request(request_id)))
-
-    async def generate(self, request_id: str, add: Callable[[LLMEngine], Any]) -> AsyncIterator[list[RequestOutput]]:
-        """Add R with `add(engine)` and stream its outputs until it finishes."""
-        stream = self.open(request_id)
-        try:
-            await self.call(add)
-            async for outs in stream:
-                yield outs
-        finally:
-            await self.close_stream(request_id)
+            await asyncio.shield(self.abort(request_id))
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -130,18 +180,6 @@ class AsyncEngine:
         if stalled > stall_timeout_s:
             raise RuntimeError(f"the engine's step loop has not turned for {stalled:.1f} s: wedged")
 
-    def wedge(self) -> None:
-        """Fault injection: block the step loop for good (tests of the health check)."""
-        self._commands.put((lambda e: threading.Event().wait(), asyncio.get_running_loop().create_future(),
-                            asyncio.get_running_loop(), False))
-        self._wake.set()
-
-    def slow_steps(self, pause_s: float, for_s: float) -> None:
-        """Fault injection: pause `pause_s` after every step for the next `for_s` seconds, so a
-        test's request is surely still running when its caller goes away."""
-        self._step_pause_s = pause_s
-        self._slow_until = time.monotonic() + for_s
-
     # -- engine thread -----------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
@@ -159,19 +197,16 @@ class AsyncEngine:
                 continue
             self.steps += 1
             self._deliver(outs)
-            if self._slow_until and time.monotonic() < self._slow_until:
-                self._wake.wait(self._step_pause_s)  # a command (an abort) cuts the pause short
-                self._wake.clear()
         self._fail_all(RuntimeError("the engine shut down"))
 
     def _run_commands(self) -> None:
         while True:
             try:
-                fn, fut, loop, deliver = self._commands.get_nowait()
+                fn, args, fut, loop, deliver = self._commands.get_nowait()
             except queue.Empty:
                 return
             try:
-                result = fn(self.engine)
+                result = fn(*args)
             except BaseException as exc:
                 loop.call_soon_threadsafe(_settle, fut, None, exc)
             else:

@@ -5,8 +5,12 @@ launches about ten kernels (the Triton ones cost ~45 µs of Python each), 300 fo
 model, while the GPU needs a few µs for each. A graph records the whole forward once and
 replays it with one launch. Steps that carry a prefill chunk run eagerly, as in vLLM.
 
+A speculative verify step replays the same graphs: a request's last token and its k drafts
+are 1 + k rows over one block table, row j's context ending at its own position. Each layer
+stores all rows' KV before attending, so a draft attends to the drafts before it.
+
 Everything the captured forward reads comes from one static int32 buffer, one row per
-sequence, filled on the host and copied in one transfer per step:
+position, filled on the host and copied in one transfer per step:
 
     row i:  | token id | position | slot | context length | block table (width W) ... |
     pad:    |    0     |    0     |  -1  |       1        | (stale ids, never written)  |

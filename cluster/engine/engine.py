@@ -21,16 +21,16 @@ import torch
 from cluster.config import EngineConfig
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.detokenizer import IncrementalDetokenizer
-from cluster.engine.json_mode import JsonConstraint, JsonRecognizer
 from cluster.engine.model_runner import ModelRunner
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.spec.registry import create_proposer
 from cluster.engine.spec.speculator import Speculator
 from cluster.engine.step_cost import StepCost
-from cluster.engine.regex import regex_recognizer
-from cluster.engine.schema_compiler import schema_recognizer
+from cluster.engine.structured.base import StructuredBackend
+from cluster.engine.structured.constraint import Constraint
+from cluster.engine.structured.registry import create_backend
 from cluster.engine.tokenizer import Tokenizer
-from cluster.kvtransfer.wire import KVLayout
+from cluster.engine.kv_layout import KVLayout
 from cluster.models.architecture import Architecture
 from cluster.models.default_model import resolve_model_path
 from cluster.engine.outputs import CompletionOutput, PrefillResult, RequestOutput, TokenLogprobs
@@ -48,7 +48,7 @@ class LLMEngine:
         if self.arch.sliding_window:  # no sliding-window attention: stay inside the window
             limit = min(limit, self.arch.sliding_window)
         self.runner = ModelRunner(str(self.model_path), self.arch, config.model, config.cache, limit,
-                                  config.seed, config.scheduler.max_num_seqs)
+                                  config.seed, self._graph_rows(config))
         bs = config.cache.block_size
         self.num_blocks = self.runner.num_blocks
         self.max_model_len = min(limit, self.num_blocks * bs)
@@ -62,10 +62,19 @@ class LLMEngine:
         self._scores: dict[str, list[TokenLogprobs | None]] = {}  # see _prompt_scores
         self._prompts: dict[str, str | None] = {}
         self._ids = itertools.count()
+        self._structured: StructuredBackend | None = None  # engine/structured/, on first use
         # prompt tokens admitted; tokens handed to callers; requests finished, by reason
         self.counters: Counter[str] = Counter()
         if config.speculative is not None and config.speculative.adaptive:
             self.calibrate()  # draft lengths are chosen from the step cost: know it from the start
+
+    @staticmethod
+    def _graph_rows(config: EngineConfig) -> int:
+        """Rows the CUDA graphs hold: a decode per sequence, and with speculation its drafts too,
+        within the step's token budget."""
+        k = config.speculative.num_speculative_tokens if config.speculative is not None else 0
+        seqs = config.scheduler.max_num_seqs
+        return seqs if not k else max(seqs, min(seqs * (1 + k), config.scheduler.max_num_batched_tokens))
 
     # -- requests ------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -299,14 +308,20 @@ class LLMEngine:
     def _new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                      prefill_only: bool) -> Request:
         req = Request(request_id, prompt_ids, params, self.max_model_len, self.eos_token_ids, prefill_only)
-        if params.json_object or params.json_schema is not None or params.regex is not None:
+        if params.structured is not None:  # a spec the backend refuses: StructuredOutputError, a ValueError (400)
+            backend = self._structured_backend()
             prior = prompt_ids[-params.prior_output_tokens:] if params.prior_output_tokens else []
-            recognizer = (regex_recognizer(params.regex) if params.regex is not None
-                          else JsonRecognizer if params.json_schema is None else schema_recognizer(params.json_schema))
-            req.constraint = JsonConstraint(self.tokenizer.token_table, self.eos_token_ids | set(params.stop_token_ids),
-                                            replay=prior, trailing_ids=self.tokenizer.whitespace_ids,
-                                            recognizer=recognizer)
+            req.constraint = Constraint(backend.matcher(backend.compile(params.structured)),
+                                        self.eos_token_ids | set(params.stop_token_ids), replay=prior,
+                                        trailing_ids=backend.trailing_ids)
         return req
+
+    def _structured_backend(self) -> StructuredBackend:
+        """Built on the first constrained request (~0.4 s: importing xgrammar, the tokenizer's table)."""
+        if self._structured is None:
+            self._structured = create_backend("xgrammar", self.tokenizer.hf, self.arch.vocab_size,
+                                              sorted(self.eos_token_ids))
+        return self._structured
 
     def _track(self, req: Request, prompt: str | None) -> None:
         self._detok[req.request_id] = IncrementalDetokenizer(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import itertools
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -11,7 +10,6 @@ import torch
 
 from cluster.config import CacheConfig, ModelConfig
 from cluster.engine.cuda_graphs import DecodeGraphs
-from cluster.engine.json_mode import JsonConstraint
 from cluster.engine.kv_cache import allocate_kv_cache
 from cluster.engine.sampler import Logprob, sample, score_tokens
 from cluster.engine.scheduler import ScheduledChunk, StepPlan
@@ -42,22 +40,15 @@ class _Row(NamedTuple):
 
     request: Request
     output_ids: list[int]  # the output before this position (drafts before it included)
-    constraint: JsonConstraint | None  # at this position (a copy advanced over the drafts)
     draft: int | None  # the draft token the next row's position holds; None on a run's last row
 
 
 def _rows(c: ScheduledChunk) -> list[_Row]:
     req = c.request
     if not c.num_drafts:
-        return [_Row(req, req.output_token_ids, req.constraint, None)]
+        return [_Row(req, req.output_token_ids, None)]
     out, drafts = req.output_token_ids, list(c.draft_token_ids)
-    rows, constraint = [], req.constraint
-    for j in range(len(drafts) + 1):
-        if constraint is not None and j:  # the request's own stays where its output is
-            constraint = copy.copy(constraint)  # the row before's, advanced by one draft
-            constraint.sync(out + drafts[:j])
-        rows.append(_Row(req, out + drafts[:j], constraint, drafts[j] if j < len(drafts) else None))
-    return rows
+    return [_Row(req, out + drafts[:j], drafts[j] if j < len(drafts) else None) for j in range(len(drafts) + 1)]
 
 
 @dataclass
@@ -72,7 +63,7 @@ class StepResult:
 class ModelRunner:
     def __init__(self, model_path: str, arch: Architecture, model_config: ModelConfig,
                  cache_config: CacheConfig, max_model_len: int, seed: int = 0,
-                 max_num_seqs: int = 64) -> None:
+                 max_graph_rows: int = 64) -> None:
         self.device = pick_device(model_config.device)
         self.dtype = pick_dtype(model_config.dtype, self.device)
         self.ops = ops_for(self.device)
@@ -82,10 +73,10 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(arch, cache_config, self.dtype, self.device)
         self.generators: dict[str, torch.Generator] = {}
         self.default_generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.graphs = None  # decode-only steps from CUDA graphs (cluster/engine/cuda_graphs.py)
+        self.graphs = None  # decode and verify steps from CUDA graphs (cluster/engine/cuda_graphs.py)
         if self.device.type == "cuda" and not model_config.enforce_eager:
             self.graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size, max_model_len,
-                                       max_num_seqs, capture=True)
+                                       max_graph_rows, capture=True)
 
     @property
     def num_blocks(self) -> int:
@@ -98,11 +89,13 @@ class ModelRunner:
         samplers = [c for c in chunks if c.samples]
         scoring = any(c.request.needs_prompt_logprobs for c in chunks)
         prompt_lps: dict[str, list[TokenLogprobs]] = {}
-        if (self.graphs is not None and self.graphs.fits(len(chunks)) and chunks[-1].num_tokens == 1
-                and not scoring):
-            hidden = self.graphs.run([self._decode_row(c) for c in chunks])  # one-token chunks only
+        graph_rows = None if scoring else self._graph_rows(chunks)
+        if graph_rows is not None:
+            hidden = self.graphs.run(graph_rows)
             if len(samplers) < len(chunks):  # a one-token prefill chunk inside a prompt
-                hidden = hidden[self._tensor([i for i, c in enumerate(chunks) if c.samples], torch.int64)]
+                ends = list(itertools.accumulate(c.num_tokens for c in chunks))
+                keep = [row for c, end in zip(chunks, ends) if c.samples for row in range(end - c.num_tokens, end)]
+                hidden = hidden[self._tensor(keep, torch.int64)]
         else:
             input_ids, positions, meta, sample_rows = self._prepare(chunks)
             hidden = self.model.forward(input_ids, positions, self.kv_cache, meta)
@@ -120,7 +113,7 @@ class ModelRunner:
             [r.request.prompt_token_ids for r in rows],
             [r.output_ids for r in rows],
             eos_token_ids,
-            [r.constraint for r in rows],
+            [r.request.constraint for r in rows],  # a verify run's rows share it (sampler)
             [r.draft for r in rows],
         )
         sampled: dict[str, list[int]] = {}
@@ -232,11 +225,22 @@ class ModelRunner:
         return (self._tensor(ids, torch.int64), self._tensor(pos, torch.int64), meta,
                 self._tensor(sample_rows, torch.int64))
 
-    def _decode_row(self, c: ScheduledChunk) -> tuple[int, int, int, int, list[int]]:
-        """A one-token chunk as (token id, position, slot, context length, block table)."""
-        bs, pos, blocks = self.block_size, c.start, c.request.block_ids
-        return (c.request.token_ids[pos], pos, blocks[pos // bs] * bs + pos % bs, pos + 1,
-                blocks[: pos // bs + 1])
+    def _graph_rows(self, chunks: list[ScheduledChunk]) -> list[tuple[int, int, int, int, list[int]]] | None:
+        """The rows a CUDA graph replays for this step, or None when it must run eagerly. Every
+        chunk must be one token, or a decode with drafts: a verify chunk of 1 + k tokens becomes
+        1 + k decode rows over the same block table, row j attending up to its own position. A
+        layer stores every row's KV before any row attends, so a draft sees those before it."""
+        if self.graphs is None or any(c.num_tokens != 1 + c.num_drafts for c in chunks):
+            return None
+        if not self.graphs.fits(sum(c.num_tokens for c in chunks)):
+            return None
+        return [self._decode_row(c, j) for c in chunks for j in range(c.num_tokens)]
+
+    def _decode_row(self, c: ScheduledChunk, j: int = 0) -> tuple[int, int, int, int, list[int]]:
+        """Position j of a chunk as (token id, position, slot, context length, block table)."""
+        bs, pos, blocks = self.block_size, c.start + j, c.request.block_ids
+        token = c.request.token_ids[pos] if j == 0 else c.draft_token_ids[j - 1]
+        return token, pos, blocks[pos // bs] * bs + pos % bs, pos + 1, blocks[: pos // bs + 1]
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)

@@ -5,10 +5,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from cluster.engine.json_mode import JsonConstraint
 from cluster.engine.outputs import TokenLogprobs
 from cluster.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from cluster.engine.structured.constraint import Constraint
 
 
 class RequestStatus(enum.IntEnum):
@@ -64,7 +67,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
     stop_reason: int | str | None = None
     num_preemptions: int = 0
-    constraint: JsonConstraint | None = None  # JSON mode: the sampler keeps the output valid JSON
+    constraint: Constraint | None = None  # structured output: the sampler keeps the reply in its grammar
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens 1.. so far
     num_draft_tokens: int = 0  # speculative decoding: tokens drafted for this request here
     num_accepted_tokens: int = 0  # ... and of them accepted

@@ -1,4 +1,4 @@
-"""Logits → next tokens: min_tokens, logit bias, penalties, JSON mode, temperature,
+"""Logits → next tokens: min_tokens, logit bias, penalties, structured output, temperature,
 top-k/top-p/min-p, seeded sampling."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import torch
 
-from cluster.engine.json_mode import JsonConstraint
+from cluster.engine.structured.constraint import Constraint
 from cluster.engine.outputs import Logprob
 from cluster.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
 
@@ -16,7 +16,6 @@ __all__ = ["Logprob", "SampleResult", "sample", "score_tokens"]
 
 _NEG_INF = float("-inf")
 _TOP_P_CANDIDATES = (256, 4096)  # then a full sort
-_JSON_CANDIDATES = (256, 4096)  # then the whole vocabulary
 
 
 class SampleResult(NamedTuple):
@@ -28,7 +27,7 @@ class SampleResult(NamedTuple):
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            generators: Sequence[torch.Generator | None], prompt_ids: Sequence[Sequence[int]],
            output_ids: Sequence[Sequence[int]], eos_token_ids: Collection[int],
-           constraints: Sequence[JsonConstraint | None] | None = None,
+           constraints: Sequence[Constraint | None] | None = None,
            drafts: Sequence[int | None] | None = None) -> SampleResult:
     """Pick one token per row of `logits` [B, V] (float32; left unmodified).
 
@@ -38,8 +37,8 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     Order, as in vLLM v1: logprobs from the raw logits; allowed_token_ids and bad words mask the
     rest and the banned; min_tokens masks EOS and stop_token_ids;
     logit_bias is added; repetition (prompt + output), frequency and presence (output)
-    penalties; a JSON-mode row (`constraints[i]`) keeps only the tokens its JSON allows (see
-    `_apply_constraints`); then greedy argmax (temperature 0) or temperature → top-k → top-p →
+    penalties; a constrained row (`constraints[i]`: structured output) keeps only the tokens its
+    grammar allows (see `_apply_constraints`); then greedy argmax (temperature 0) or temperature → top-k → top-p →
     min-p → sampling. A row's random draw
     comes from its own generator (None: torch's default), so a seeded row's token depends only
     on its logits and its generator state, never on the other rows.
@@ -49,11 +48,11 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     blocked = _min_tokens_blocks(params, output_ids, eos_token_ids, vocab)
     biased = _logit_bias(params, vocab)
     penalty_rows = [i for i, p in enumerate(params) if p.needs_penalties]
-    json_rows = {i: c for i, c in enumerate(constraints or ()) if c is not None}
+    constrained = any(c is not None for c in constraints or ())
     restricted = [i for i, p in enumerate(params) if p.allowed_token_ids is not None or p.bad_words_token_ids]
     if drafts is not None and not any(d is not None for d in drafts):
         drafts = None
-    if (not (logprob_rows or blocked[0] or biased[0] or penalty_rows or json_rows or restricted)
+    if (not (logprob_rows or blocked[0] or biased[0] or penalty_rows or constrained or restricted)
             and all(p.greedy for p in params)):
         return SampleResult(logits.argmax(dim=-1).tolist(), [None] * num_rows)
 
@@ -67,8 +66,8 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         logits[_index(biased[0], logits), _index(biased[1], logits)] += torch.tensor(biased[2], dtype=logits.dtype)
     if penalty_rows:
         _apply_penalties(logits, penalty_rows, params, prompt_ids, output_ids)
-    if json_rows:
-        _apply_constraints(logits, json_rows, output_ids, params)
+    if constrained:
+        _apply_constraints(logits, constraints, output_ids, drafts)  # type: ignore[arg-type]
     tokens = _choose(logits, params, generators) if drafts is None else _choose_verifying(logits, params, generators, drafts)
     logprobs = _collect_logprobs(raw_logprobs, logprob_rows, tokens.clamp(min=0), params)  # dead rows: -1
     return SampleResult(tokens.tolist(), logprobs)
@@ -153,86 +152,48 @@ def _apply_penalties(logits: torch.Tensor, rows: list[int], params: Sequence[Sam
     logits[row_index] = sub
 
 
-def _apply_constraints(logits: torch.Tensor, constraints: dict[int, JsonConstraint],
-                       output_ids: Sequence[Sequence[int]], params: Sequence[SamplingParams]) -> None:
-    """Mask the JSON-mode rows of `logits` [B, V] in place (row → its constraint) to the tokens
-    that keep each output valid.
+def _apply_constraints(logits: torch.Tensor, constraints: Sequence[Constraint | None],
+                       output_ids: Sequence[Sequence[int]], drafts: Sequence[int | None] | None) -> None:
+    """Mask the constrained rows of `logits` [B, V] in place to the tokens their grammar allows.
 
-    Candidates are tried in order of the row's logits (after bias and penalties): the 256 most
-    likely, then 4096, then all. The first batch holding an allowed token with a finite logit
-    decides: a greedy row keeps its best allowed token, a sampling row every allowed token of
-    that batch (so it samples among the allowed ones of the 256 most likely, when there are
-    any). Past a complete value the reply ends: only end ids are kept (those min_tokens has not
-    masked); while min_tokens holds them back, the constraint's whitespace-only tokens. A row
-    with no allowed token at all is left as it is (a safety net: with byte-level or
-    byte-fallback tokens some token always continues the JSON, whitespace after it ends).
-    The first batch is ranked for all rows at once: one topk, then plain lists.
+    Each constrained row's matcher fills one row of a bitmask (engine/structured/base.py's
+    layout). A verify run's rows share their request's constraint: the first is synced with the
+    request's output, each next one advances by the draft before it (`push_draft`), and the run's
+    last row rolls them back. A row with no allowed token of finite logit: past a complete reply
+    (min_tokens holding its end back) it may pad with whitespace (the constraint's trailing_ids);
+    otherwise (allowed_token_ids outside the grammar) it is left as it is, and its token ends the
+    constraint (constraint.py) rather than the request.
     """
-    rows = list(constraints)
+    rows = [i for i, c in enumerate(constraints) if c is not None]
+    vocab = logits.shape[1]
+    bitmask = torch.full((len(rows), -(-vocab // 32)), -1, dtype=torch.int32)
+    for j, i in enumerate(rows):
+        c = constraints[i]
+        if drafts is not None and i and drafts[i - 1] is not None and constraints[i - 1] is c:
+            c.push_draft(drafts[i - 1])  # type: ignore[union-attr]
+        else:
+            c.sync(output_ids[i])  # type: ignore[union-attr]
+        c.fill(bitmask, j)  # type: ignore[union-attr]
+        if drafts is None or drafts[i] is None:
+            c.pop_drafts()  # type: ignore[union-attr]
     index = _index(rows, logits)
     sub = logits[index]  # [R, V]
-    masked = torch.full_like(sub, _NEG_INF)
-    values, order = sub.topk(min(_JSON_CANDIDATES[0], sub.shape[1]), dim=-1)
-    keep_rows: list[int] = []
-    keep_cols: list[int] = []
-    for j, (i, top_values, top_ids) in enumerate(zip(rows, values.tolist(), order.tolist())):
-        constraint = constraints[i]
-        constraint.sync(output_ids[i])
-        keep: list[int] = []
-        if constraint.active:
-            first_only = params[i].greedy
-            if constraint.complete:
-                keep = _allowed_after(sub[j], constraint, first_only)
-            else:
-                keep = (_allowed(constraint, top_ids, top_values, first_only)
-                        or _allowed_beyond(sub[j], constraint, len(top_ids), first_only))
-        if not keep:
-            masked[j] = sub[j]
-            continue
-        keep_rows.extend([j] * len(keep))
-        keep_cols.extend(keep)
-    kept_rows, kept_cols = _index(keep_rows, sub), _index(keep_cols, sub)
-    masked[kept_rows, kept_cols] = sub[kept_rows, kept_cols]
+    masked = sub.masked_fill(~unpack_bitmask(bitmask, vocab).to(sub.device), _NEG_INF)
+    empty = masked.amax(dim=-1).isneginf().tolist()  # (amax: ~40x cheaper than isfinite().any())
+    for j, i in enumerate(rows):
+        if empty[j]:
+            c = constraints[i]
+            pad = _index(sorted(c.trailing_ids), sub) if c.allows_end() else None  # type: ignore[union-attr]
+            masked[j] = sub[j] if pad is None else torch.full_like(sub[j], _NEG_INF).index_copy_(0, pad, sub[j, pad])
     logits[index] = masked
 
 
-def _allowed(constraint: JsonConstraint, token_ids: list[int], values: list[float], first_only: bool) -> list[int]:
-    """The allowed tokens with a finite logit, in the order given; only the first if `first_only`."""
-    keep = []
-    for t, v in zip(token_ids, values):
-        if v > _NEG_INF and constraint.allows(t):
-            keep.append(t)
-            if first_only:
-                break
-    return keep
+_BIT = torch.arange(32, dtype=torch.int32)
 
 
-def _allowed_after(row: torch.Tensor, constraint: JsonConstraint, first_only: bool) -> list[int]:
-    """Past a complete value: its end ids, else (min_tokens masking them) its whitespace-only
-    tokens (160 for the default model, not 49,152 candidates), best first."""
-    vocab = row.shape[0]
-    for shortlist in (constraint.end_ids, constraint.trailing_ids):
-        ids = [t for t in shortlist if 0 <= t < vocab]
-        ranked = sorted(zip(row[_index(ids, row)].tolist(), ids), reverse=True)
-        keep = _allowed(constraint, [t for _, t in ranked], [v for v, _ in ranked], first_only)
-        if keep:
-            return keep
-    return []
-
-
-def _allowed_beyond(row: torch.Tensor, constraint: JsonConstraint, done: int, first_only: bool) -> list[int]:
-    """The first wider batch of candidates (4096, then all) that holds an allowed token."""
-    vocab = row.shape[0]
-    for width in (*_JSON_CANDIDATES[1:], vocab):
-        width = min(width, vocab)
-        if width <= done:
-            continue
-        values, order = row.topk(width)
-        keep = _allowed(constraint, order[done:].tolist(), values[done:].tolist(), first_only)
-        if keep:
-            return keep
-        done = width
-    return []
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R, ceil(V / 32)] int32 words → [R, V] bool: bit t % 32 of word t // 32 is token t."""
+    return ((bitmask.unsqueeze(-1) >> _BIT) & 1).view(bitmask.shape[0], -1)[:, :vocab].bool()
 
 
 # -- choosing tokens ------------------------------------------------------------------------

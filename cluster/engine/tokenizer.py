@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-from functools import cached_property, lru_cache
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from transformers import AutoTokenizer, PreTrainedConfig
-
-from cluster.engine.json_mode import token_bytes, whitespace_ids
 
 # What a request's template variables may never set: the render's own arguments, what
 # transformers puts in every template's scope, and the model's special tokens.
@@ -80,16 +78,6 @@ class Tokenizer:
     def template_takes_tools(self) -> bool:
         """Whether the chat template writes `tools` itself (else router/tools.py describes them)."""
         return "tools" in (self.hf.chat_template or "")
-
-    @cached_property
-    def token_table(self) -> list[bytes | None]:
-        """Each token id's bytes (None: special tokens), for JSON mode; built on first use."""
-        return token_bytes(self.hf)
-
-    @cached_property
-    def whitespace_ids(self) -> list[int]:
-        """The whitespace-only tokens, what JSON mode allows after the object; built on first use."""
-        return whitespace_ids(self.token_table)
 
     @property
     def vocab_size(self) -> int:

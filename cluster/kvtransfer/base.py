@@ -45,8 +45,9 @@ import torch
 
 from cluster.kvtransfer.errors import (KVFrameError, KVLayoutMismatchError, KVPeerGoneError,  # noqa: F401
                                        KVTimeoutError, KVTransferError, KVIntegrityError)
-from cluster.kvtransfer.wire import (KVHeader, KVLayout, checksum, kv_view, make_header, parse_header,
-                                     sized_view)
+from cluster.kvtransfer.handoff import Receipt, Receiver
+from cluster.engine.kv_layout import KVLayout
+from cluster.kvtransfer.wire import KVHeader, checksum, kv_view, make_header, parse_header, sized_view
 from cluster.metrics import KV_TRANSFER_BUCKETS, Histogram
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -84,9 +85,9 @@ class KVConnector(ABC):
         self._lock = threading.Lock()
 
     # -- decode side -----------------------------------------------------------------
-    def receiver_info(self) -> dict[str, Any]:
+    def receiver_info(self) -> Receiver:
         """What a sender needs to reach this receiver; always carries our layout."""
-        return {"connector": self.name, "layout": self.layout.to_dict(), **self._receiver_address()}
+        return Receiver(self.name, self.layout, **self._receiver_address())
 
     def expect(self, request_id: str, num_blocks: int) -> None:
         """Announce that R's payload of `num_blocks` blocks may arrive (destination allocated)."""
@@ -97,7 +98,7 @@ class KVConnector(ABC):
         with self._lock:
             return self._expected.get(request_id)
 
-    def receive(self, request_id: str, receipt: dict[str, Any], timeout_s: float | None = None) -> torch.Tensor:
+    def receive(self, request_id: str, receipt: Receipt, timeout_s: float | None = None) -> torch.Tensor:
         """Block until R's payload is here and verified; returns it as a packed KV tensor."""
         expected = self.is_expected(request_id)
         if expected is None:
@@ -156,16 +157,16 @@ class KVConnector(ABC):
 
     # -- prefill side ----------------------------------------------------------------
     def send(self, request_id: str, num_tokens: int, payload: torch.Tensor,
-             receiver: dict[str, Any]) -> dict[str, Any]:
+             receiver: Receiver) -> Receipt:
         """Ship R's packed KV to `receiver` (a `receiver_info()`); returns the receipt for D."""
-        theirs = KVLayout.from_dict(receiver.get("layout", {}))
+        theirs = receiver.layout
         if theirs != self.layout:
             self.counters["send_layout_mismatch"] += 1
             raise KVLayoutMismatchError(
                 f"KV layout mismatch at handshake: this prefill side has {self.layout.describe()}, "
-                f"decode side {receiver.get('connector')} has {theirs.describe()}")
-        if receiver.get("connector") != self.name:
-            raise KVTransferError(f"receiver uses connector {receiver.get('connector')!r}, "
+                f"decode side {receiver.connector} has {theirs.describe()}")
+        if receiver.connector != self.name:
+            raise KVTransferError(f"receiver uses connector {receiver.connector!r}, "
                                   f"this sender {self.name!r}")
         header, view = make_header(request_id, num_tokens, payload, self.layout,
                                    with_checksum=not self.checksum_trails)
@@ -187,16 +188,16 @@ class KVConnector(ABC):
     # -- transport -------------------------------------------------------------------
     @abstractmethod
     def _receiver_address(self) -> dict[str, Any]:
-        """Transport-specific part of `receiver_info` (address, actor, ...)."""
+        """Transport-specific fields of `receiver_info`'s `Receiver` (address, actor, ...)."""
 
     @abstractmethod
-    def _transmit(self, header: KVHeader, payload: memoryview, receiver: dict[str, Any]) -> dict[str, Any]:
+    def _transmit(self, header: KVHeader, payload: memoryview, receiver: Receiver) -> Receipt:
         """Move header + payload bytes toward the receiver; raise a KVTransferError on failure.
         Where `checksum_trails`, `header.checksum` is None: compute it after the payload has
         left and send it behind it (one given in the header is sent as the trailer instead)."""
 
     @abstractmethod
-    def _fetch(self, expected: Expected, receipt: dict[str, Any], timeout_s: float) -> tuple[bytes, Any]:
+    def _fetch(self, expected: Expected, receipt: Receipt, timeout_s: float) -> tuple[bytes, Any]:
         """Return (header bytes, payload buffer) for `expected`; call `check_header` before
         allocating anything sized by the peer. Raise KVTimeoutError when `timeout_s` passes."""
 

@@ -35,11 +35,13 @@ import torch
 import torch.distributed as dist
 
 from cluster.kvtransfer.base import Expected, KVConnector
+from cluster.kvtransfer.handoff import Receipt, Receiver
 from cluster.kvtransfer.errors import (KVFrameError, KVIntegrityError, KVLayoutMismatchError,
                                        KVPeerGoneError, KVTimeoutError, KVTransferError)
 from cluster.kvtransfer.mailbox import Mailbox
 from cluster.kvtransfer.rendezvous import KeyStore, TorchStore, control, current_actor
-from cluster.kvtransfer.wire import MAX_HEADER_BYTES, KVHeader, KVLayout, parse_header
+from cluster.engine.kv_layout import KVLayout
+from cluster.kvtransfer.wire import MAX_HEADER_BYTES, KVHeader, parse_header
 
 _TAG = 0
 _SEVER_TAG = 0x7FFF
@@ -92,7 +94,7 @@ class CollectiveConnector(KVConnector):
     def _receiver_address(self) -> dict[str, Any]:
         return {"actor": current_actor(), "connector_id": self._id}
 
-    def _fetch(self, expected: Expected, receipt: dict[str, Any], timeout_s: float) -> tuple[bytes, Any]:
+    def _fetch(self, expected: Expected, receipt: Receipt, timeout_s: float) -> tuple[bytes, Any]:
         return self._mailbox.wait(expected.request_id, timeout_s)
 
     def _forget(self, request_id: str) -> None:
@@ -197,17 +199,17 @@ class CollectiveConnector(KVConnector):
             self._send(link, _byte_tensor(reason))
 
     # -- prefill side ----------------------------------------------------------------
-    def _transmit(self, header: KVHeader, payload: memoryview, receiver: dict[str, Any]) -> dict[str, Any]:
+    def _transmit(self, header: KVHeader, payload: memoryview, receiver: Receiver) -> Receipt:
         if payload.nbytes != header.payload_bytes:
             raise KVFrameError(f"payload of {payload.nbytes} bytes under a header declaring "
                                f"{header.payload_bytes}: refusing to frame it")
         return self.transmit_frames(header.encode(), payload, receiver)
 
-    def transmit_frames(self, header_bytes: bytes, payload: memoryview, receiver: dict[str, Any]) -> dict[str, Any]:
+    def transmit_frames(self, header_bytes: bytes, payload: memoryview, receiver: Receiver) -> Receipt:
         """One transfer over the cached group, formed first if needed (also the fault-test hook)."""
         if not 0 < len(header_bytes) <= MAX_HEADER_BYTES:
             raise KVFrameError(f"header of {len(header_bytes)} bytes outside 1..{MAX_HEADER_BYTES}")
-        peer_id = str(receiver.get("connector_id"))
+        peer_id = receiver.connector_id
         with self._peer_lock(peer_id):
             link = self._links.get(peer_id)
             if link is not None:
@@ -226,7 +228,7 @@ class CollectiveConnector(KVConnector):
                 raise KVTransferError("this collective connector is closed")
             return self._peer_locks.setdefault(peer_id, threading.Lock())
 
-    def _transfer(self, peer_id: str, link: _Link, header_bytes: bytes, payload: memoryview) -> dict[str, Any]:
+    def _transfer(self, peer_id: str, link: _Link, header_bytes: bytes, payload: memoryview) -> Receipt:
         try:
             refusal = self._exchange(link, header_bytes, payload)
         except BaseException:
@@ -234,7 +236,7 @@ class CollectiveConnector(KVConnector):
             raise
         if refusal is not None:
             raise refusal
-        return {}
+        return Receipt()
 
     def _exchange(self, link: _Link, header_bytes: bytes, payload: memoryview) -> KVTransferError | None:
         try:
@@ -252,8 +254,8 @@ class CollectiveConnector(KVConnector):
         reason = bytes(self._recv(link, n, torch.uint8).cpu().numpy()).decode(errors="replace") if n else ""
         return _KINDS[code - 1](f"receiver refused the KV: {reason}")
 
-    def _form(self, peer_id: str, receiver: dict[str, Any]) -> _Link:
-        actor, me = receiver.get("actor"), current_actor()
+    def _form(self, peer_id: str, receiver: Receiver) -> _Link:
+        actor, me = receiver.actor, current_actor()
         if actor is None:
             raise KVTransferError("receiver_info carries no actor: not a collective receiver")
         group, store = uuid.uuid4().hex, KeyStore(self.timeout_s)

@@ -9,7 +9,7 @@ from cluster.kvtransfer.base import KVConnector
 from cluster.kvtransfer.collective import CollectiveConnector
 from cluster.kvtransfer.shared_store import SharedStoreConnector
 from cluster.kvtransfer.tcp import TcpConnector
-from cluster.kvtransfer.wire import KVLayout
+from cluster.engine.kv_layout import KVLayout
 
 CONNECTORS: dict[str, type[KVConnector]] = {c.name: c for c in (SharedStoreConnector, TcpConnector, CollectiveConnector)}
 

@@ -1,6 +1,6 @@
 """Shared CPU store connector: the Ray object store carries the packed KV.
 
-    prefill: ref = ray.put(payload)      receipt = {"header": msgpack bytes, "ref": ref}
+    prefill: ref = ray.put(payload)      receipt = Receipt(msgpack header bytes, ref)
     router:  passes the receipt along (the ref is borrowed, not resolved)
     decode:  check header → ray.get(ref) (zero-copy view on the same node; Ray moves it
              across nodes) → verify → unpack → drop the ref
@@ -26,8 +26,10 @@ from typing import Any
 import numpy as np
 
 from cluster.kvtransfer.base import Expected, KVConnector
+from cluster.kvtransfer.handoff import Receipt, Receiver
 from cluster.kvtransfer.errors import KVFrameError, KVPeerGoneError, KVTimeoutError, KVTransferError
-from cluster.kvtransfer.wire import KVHeader, KVLayout
+from cluster.engine.kv_layout import KVLayout
+from cluster.kvtransfer.wire import KVHeader
 
 
 class SharedStoreConnector(KVConnector):
@@ -53,18 +55,17 @@ class SharedStoreConnector(KVConnector):
     def _receiver_address(self) -> dict[str, Any]:
         return {}
 
-    def _transmit(self, header: KVHeader, payload: memoryview, receiver: dict[str, Any]) -> dict[str, Any]:
+    def _transmit(self, header: KVHeader, payload: memoryview, receiver: Receiver) -> Receipt:
         return self.put_frames(header.encode(), payload)
 
-    def put_frames(self, header: bytes, payload: Any) -> dict[str, Any]:
+    def put_frames(self, header: bytes, payload: Any) -> Receipt:
         """Put raw bytes in the store; returns the receipt (also the fault-test hook)."""
         ref = self._ray.put(np.frombuffer(payload, dtype=np.uint8))
-        return {"header": bytes(header), "ref": ref}
+        return Receipt(bytes(header), ref)
 
-    def _fetch(self, expected: Expected, receipt: dict[str, Any], timeout_s: float) -> tuple[bytes, Any]:
-        header = receipt.get("header")
-        ref = receipt.get("ref")
-        if not isinstance(header, bytes) or not isinstance(ref, self._ray.ObjectRef):
+    def _fetch(self, expected: Expected, receipt: Receipt, timeout_s: float) -> tuple[bytes, Any]:
+        header, ref = receipt.header, receipt.ref
+        if not isinstance(header, bytes) or not header or not isinstance(ref, self._ray.ObjectRef):
             raise KVFrameError("a shared_store receipt needs 'header' bytes and an object 'ref'")
         self.check_header(header, expected)  # bounded before Ray maps or pulls anything
         try:

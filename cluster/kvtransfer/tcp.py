@@ -26,10 +26,12 @@ import zmq
 
 from cluster.kvtransfer import errors
 from cluster.kvtransfer.base import Expected, KVConnector
+from cluster.kvtransfer.handoff import Receipt, Receiver
 from cluster.kvtransfer.errors import KVFrameError, KVPeerGoneError, KVTimeoutError, KVTransferError
 from cluster.kvtransfer.mailbox import Mailbox
-from cluster.kvtransfer.wire import (MAX_HEADER_BYTES, KVHeader, KVLayout, checksum, encode_trailer,
-                                     parse_header, parse_trailer)
+from cluster.engine.kv_layout import KVLayout
+from cluster.kvtransfer.wire import (MAX_HEADER_BYTES, KVHeader, checksum, encode_trailer, parse_header,
+                                     parse_trailer)
 
 MAGIC = b"TKV2"  # header + payload
 TRAILER = b"TKV2S"  # the payload's checksum, right behind it
@@ -144,7 +146,7 @@ class TcpConnector(KVConnector):
             raise KVTransferError("this TCP connector does not listen (listen=False)")
         return {"address": self._address}
 
-    def _fetch(self, expected: Expected, receipt: dict[str, Any], timeout_s: float) -> tuple[bytes, Any]:
+    def _fetch(self, expected: Expected, receipt: Receipt, timeout_s: float) -> tuple[bytes, Any]:
         return self._mailbox.wait(expected.request_id, timeout_s)
 
     def _fetch_checksum(self, expected: Expected, timeout_s: float) -> int:
@@ -157,15 +159,15 @@ class TcpConnector(KVConnector):
         self._sums.discard(request_id)
 
     # -- prefill side ----------------------------------------------------------------
-    def _transmit(self, header: KVHeader, payload: memoryview, receiver: dict[str, Any]) -> dict[str, Any]:
+    def _transmit(self, header: KVHeader, payload: memoryview, receiver: Receiver) -> Receipt:
         def trailer() -> list[bytes]:  # runs once the payload is queued for libzmq's I/O thread
             value = checksum(payload) if header.checksum is None else header.checksum
             return [TRAILER, encode_trailer(header.request_id, value)]
 
         head = dataclasses.replace(header, checksum=None).encode()
-        return self.transmit_frames(receiver["address"], [MAGIC, head, payload], trailer)
+        return self.transmit_frames(receiver.address, [MAGIC, head, payload], trailer)
 
-    def transmit_frames(self, address: str, *messages: list[Any] | Callable[[], list[Any]]) -> dict[str, Any]:
+    def transmit_frames(self, address: str, *messages: list[Any] | Callable[[], list[Any]]) -> Receipt:
         """Send messages in order (lists of frames, or callables that make one when its turn
         comes), then wait for the listener's verdict on each; the first refusal raises. Also
         the fault tests' hook."""
@@ -181,7 +183,7 @@ class TcpConnector(KVConnector):
             if not isinstance(reply, dict) or not reply.get("ok"):
                 kind = reply.get("kind") if isinstance(reply, dict) else "frame"
                 raise _ERRORS.get(kind, KVTransferError)(f"{address} refused the KV: {reply}")
-        return {}
+        return Receipt()
 
     def _exchange(self, sock: zmq.Socket, address: str, messages: tuple, deadline: float) -> list[Any]:
         for message in messages:

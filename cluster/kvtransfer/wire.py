@@ -28,73 +28,17 @@ Nothing here unpickles: msgpack with bounded sizes, plain types checked field by
 from __future__ import annotations
 
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 import torch
 
+from cluster.engine.kv_layout import KV_DTYPES, KVLayout
 from cluster.kvtransfer import errors as err
 
 WIRE_VERSION = 2  # 2: the checksum may trail the payload
 MAX_HEADER_BYTES = 16 * 1024
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """What must match on both sides for KV bytes to mean the same thing."""
-
-    model: str  # model fingerprint, e.g. "SmolLM2-135M-Instruct@3f2a9c1d"
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype: str  # "float32" | "bfloat16" | "float16"
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one block across all layers, K and V."""
-        itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
-
-    def payload_bytes(self, num_blocks: int) -> int:
-        return self.block_bytes * num_blocks
-
-    def payload_shape(self, num_blocks: int) -> tuple[int, ...]:
-        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-
-    def describe(self) -> str:
-        return (f"{self.model} [{self.num_layers} layers, {self.num_kv_heads} kv heads, "
-                f"head_dim {self.head_dim}, block_size {self.block_size}, {self.dtype}]")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Any) -> KVLayout:
-        if not isinstance(d, dict):
-            raise err.KVFrameError("layout must be a map")
-        try:
-            layout = cls(model=str(d["model"]), num_layers=_int(d["num_layers"]),
-                         num_kv_heads=_int(d["num_kv_heads"]), head_dim=_int(d["head_dim"]),
-                         block_size=_int(d["block_size"]), dtype=str(d["dtype"]))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise err.KVFrameError(f"malformed layout {d!r}: {exc}") from None
-        if layout.dtype not in _DTYPES:
-            raise err.KVFrameError(f"unknown KV dtype {layout.dtype!r}")
-        return layout
-
-    @classmethod
-    def of_cache(cls, model: str, kv_cache: torch.Tensor) -> KVLayout:
-        """From an engine's cache [L, 2, NB, block_size, Hkv, D]."""
-        layers, _, _, block_size, heads, dim = kv_cache.shape
-        dtype = next(k for k, v in _DTYPES.items() if v == kv_cache.dtype)
-        return cls(model, layers, heads, dim, block_size, dtype)
 
 
 @dataclass(frozen=True)
@@ -113,6 +57,21 @@ class KVHeader:
             "num_blocks": self.num_blocks, "payload_bytes": self.payload_bytes,
             "checksum": self.checksum, "layout": self.layout.to_dict(),
         })
+
+
+def layout_from_dict(d: Any) -> KVLayout:
+    """A header's layout map, checked field by field (a malformed one is a KVFrameError)."""
+    if not isinstance(d, dict):
+        raise err.KVFrameError("layout must be a map")
+    try:
+        layout = KVLayout(model=str(d["model"]), num_layers=_int(d["num_layers"]),
+                          num_kv_heads=_int(d["num_kv_heads"]), head_dim=_int(d["head_dim"]),
+                          block_size=_int(d["block_size"]), dtype=str(d["dtype"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise err.KVFrameError(f"malformed layout {d!r}: {exc}") from None
+    if layout.dtype not in KV_DTYPES:
+        raise err.KVFrameError(f"unknown KV dtype {layout.dtype!r}")
+    return layout
 
 
 def _int(x: Any) -> int:
@@ -191,7 +150,7 @@ def parse_header(data: Any) -> KVHeader:
             request_id=str(d["request_id"]), num_tokens=_int(d["num_tokens"]),
             num_blocks=_int(d["num_blocks"]), payload_bytes=_int(d["payload_bytes"]),
             checksum=None if d["checksum"] is None else _int(d["checksum"]),
-            layout=KVLayout.from_dict(d["layout"]))
+            layout=layout_from_dict(d["layout"]))
     except (KeyError, ValueError) as exc:
         raise err.KVFrameError(f"malformed header field: {exc}") from None
 

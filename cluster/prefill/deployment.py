@@ -2,36 +2,31 @@
 
 from __future__ import annotations
 
-import asyncio
-import os
+import dataclasses
 from typing import Any, Sequence
 
 from ray import serve
 
 from cluster.config import AppConfig
+from cluster.kvtransfer.handoff import PrefillHandoff, Receiver
 from cluster.pool_replica import PoolReplica, one_torch_thread
 from cluster.prefill.server import PrefillServer
-from cluster.prefill.worker import PrefillHandoff
 from cluster.sampling_params import SamplingParams
 
 
 @serve.deployment(name="PrefillPool", max_ongoing_requests=64, ray_actor_options={"num_cpus": 1})
 class PrefillDeployment(PoolReplica):
     pool = "prefill"
-    faults_known = ("wedge", "exit_after_handoff")
 
     def __init__(self, config: dict[str, Any]) -> None:
         one_torch_thread()
         super().__init__(PrefillServer(AppConfig.from_args(config)))
 
     async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                      receiver: dict[str, Any]) -> PrefillHandoff:
+                      receiver: Receiver) -> PrefillHandoff:
         self._ensure_posting()
         handoff = await self.server.prefill(request_id, prompt_token_ids, params, receiver)
-        handoff.origin = self.replica_id
-        if "exit_after_handoff" in self.faults:  # dies with R's KV put/pushed, before decode admits it
-            asyncio.get_running_loop().call_later(0.3, os._exit, 1)
-        return handoff
+        return dataclasses.replace(handoff, origin=self.replica_id)
 
     async def ack(self, request_id: str, replica_id: str = "") -> bool:
         """`replica_id` is read by the pool's request router to pin the ack to this replica."""

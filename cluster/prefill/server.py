@@ -1,7 +1,9 @@
-"""A prefill replica as a plain asyncio object: one engine thread runs prompts one after the
-other (each prompt's chunks fill the step budget), acks free leases, a timer reaps expired ones.
-Prompts run in arrival order, or by (priority, arrival) under `scheduling_policy: priority`
-(prefill/turns.py).
+"""A prefill replica as a plain asyncio object over the same engine driver as decode
+(AsyncEngine): each prompt is a prefill-only request on the engine's queue, so the scheduler
+batches several prompts into one step (chunked, within `max_num_batched_tokens`) and, under
+`scheduling_policy: priority`, admits them by (priority, arrival). When R's prompt is computed,
+the exporter (prefill/exporter.py) packs its KV on the engine thread and sends it off it, then
+holds R's blocks under a lease; acks free them, a timer reaps expired leases.
 
 The Serve deployment (cluster/prefill/deployment.py) is a thin shell over this class.
 """
@@ -9,73 +11,97 @@ The Serve deployment (cluster/prefill/deployment.py) is a thin shell over this c
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import contextlib
-import threading
+import dataclasses
 import time
 from typing import Any, Sequence
 
 from cluster.autoscaling import QUEUED_TOKENS
-from cluster.config import AppConfig
-from cluster.engine.engine import LLMEngine
-from cluster.kvtransfer.connectors import create_connector
-from cluster.prefill.turns import Turns
-from cluster.prefill.worker import PrefillHandoff, PrefillWorker
 from cluster.cache_report import cache_report
+from cluster.config import AppConfig
+from cluster.engine.async_engine import AsyncEngine
+from cluster.engine.engine import LLMEngine
+from cluster.engine.outputs import RequestOutput
+from cluster.kvtransfer.connectors import create_connector
+from cluster.kvtransfer.handoff import PrefillHandoff, Receiver
+from cluster.prefill.exporter import KVExporter, PackedKV
 from cluster.sampling_params import SamplingParams
 
 
 class PrefillServer:
     def __init__(self, config: AppConfig, engine: LLMEngine | None = None) -> None:
         self.config = config
-        self.engine = engine or LLMEngine(config.prefill_engine)
+        engine = engine or LLMEngine(config.prefill_engine)
         kv = config.kv_transfer
-        self.connector = create_connector(kv.connector, self.engine.kv_layout(),
-                                          **kv.connector_options(role="prefill"))
-        self.worker = PrefillWorker(self.engine, self.connector, lease_s=kv.lease_s)
-        # The engine is single-threaded: every call that touches it runs on this one thread.
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tandem-prefill")
+        self.connector = create_connector(kv.connector, engine.kv_layout(), **kv.connector_options(role="prefill"))
+        self.exporter = KVExporter(engine, self.connector, lease_s=kv.lease_s)
+        self.engine = AsyncEngine(engine)
+        self.name = ""  # this replica's id
         # request id → (prompt tokens, of which not cached on arrival): from arrival to hand-off
         self.queued: dict[str, tuple[int, int]] = {}
         self._reaper: asyncio.Task | None = None
         self.last_abort_at = 0.0  # wall time a cancelled request's blocks were last released
-        self._job_started_at: float | None = None
-        self.turns = Turns() if config.engine.scheduler.scheduling_policy == "priority" else None
 
     async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                      receiver: dict[str, Any]) -> PrefillHandoff:
+                      receiver: Receiver) -> PrefillHandoff:
+        """Compute R's prompt, send its KV to `receiver`; R's blocks stay held until `ack`.
+        Cancelling this (the decode side went away) stops R before its next step and frees
+        whatever it holds."""
         self._ensure_reaper()
         prompt = list(prompt_token_ids)
-        cached = self.engine.blocks.cached_prefix_len(prompt, params.cache_salt) if self.config.prefix_aware_routing else 0
+        cached = self.engine.cached_prefix_len(prompt, params.cache_salt) if self.config.prefix_aware_routing else 0
         self.queued[request_id] = (len(prompt), len(prompt) - cached)
         arrived = time.monotonic()
+        stream = self.engine.open(request_id)
+        cancelled = False
         try:
-            async with self.turns.turn(params.priority) if self.turns else contextlib.nullcontext():
-                handoff = await self._run(self.worker.prefill, request_id, prompt, params, receiver)
-            handoff.prefill_s = time.monotonic() - arrived
-            return handoff
+            await self.engine.add_request(request_id, prompt, params, prefill_only=True)
+            out: RequestOutput | None = None
+            async for outs in stream:  # one output: the first token, once the prompt is computed
+                out = outs[-1]
+            assert out is not None
+            packed = await self.engine.call(self.exporter.pack, out, receiver)
+            if not isinstance(packed, PrefillHandoff):
+                handoff = await self._send(packed, receiver)
+            else:  # the first token ended R: nothing to send
+                handoff = packed
+            return dataclasses.replace(handoff, prefill_s=time.monotonic() - arrived)
         except asyncio.CancelledError:
-            # The decode side (and its client) went away. A queued job never starts; a running
-            # one stops at its next step; a finished one's held blocks are released by `drop`,
-            # which runs after it on the engine thread.
-            self.worker.cancel(request_id)
-            with contextlib.suppress(RuntimeError):  # shutting down: nothing left to release
-                self._executor.submit(self._dropped, request_id)
+            cancelled = True
             raise
         finally:
             self.queued.pop(request_id, None)
+            # its own task: a caller that cancels us again while we wait must not cut it short
+            closing = asyncio.ensure_future(self._close(request_id, cancelled))
+            await asyncio.shield(closing)
 
-    def _dropped(self, request_id: str) -> None:
-        self.worker.drop(request_id)
-        self.last_abort_at = time.time()
+    async def _send(self, packed: PackedKV, receiver: Receiver) -> PrefillHandoff:
+        """Send off the engine thread (the next steps go on meanwhile); then R's lease starts."""
+        rid = packed.result.request_id
+        sending = asyncio.ensure_future(asyncio.to_thread(self.exporter.send, packed, receiver))
+        try:
+            handoff = await asyncio.shield(sending)
+        except asyncio.CancelledError:  # R's blocks stay held until its transfer has ended
+            await asyncio.wait([sending])
+            raise
+        except BaseException:
+            await self.engine.call(self.exporter.fail, rid)
+            raise
+        await self.engine.call(self.exporter.lease, rid)
+        return handoff
+
+    async def _close(self, request_id: str, cancelled: bool) -> None:
+        await self.engine.close_stream(request_id)  # aborts R if its prompt was not computed yet
+        if cancelled:  # and whatever R still holds (blocks for the hand-off, a lease) goes now
+            await self.engine.call(self.exporter.drop, request_id)
+            self.last_abort_at = time.time()
 
     async def ack(self, request_id: str) -> bool:
-        return await self._run(self.worker.ack, request_id)
+        return await self.engine.call(self.exporter.ack, request_id)
 
     async def stats(self) -> dict[str, Any]:
-        # Read here, not on the engine thread: a long prefill would hold the snapshot back for
-        # its whole duration. Plain counters; a snapshot taken mid-step is still consistent enough.
-        return {**self.worker.stats(), "queued_prompt_tokens": sum(n for n, _ in self.queued.values()),
+        base = await self.engine.call(self.exporter.stats)
+        return {**base, "queued_prompt_tokens": sum(n for n, _ in self.queued.values()),
+                "engine_alive": self.engine.alive, "steps": self.engine.steps,
                 "last_abort_at": self.last_abort_at, "histograms": self.connector.histograms()}
 
     def routing_stats(self) -> dict[str, Any]:
@@ -88,29 +114,9 @@ class PrefillServer:
         """The load PrefillAutoscaling reads (cluster/autoscaling.py)."""
         return {QUEUED_TOKENS: sum(work for _, work in list(self.queued.values()))}
 
-    async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self._timed, fn, *args)
-
-    def _timed(self, fn, *args):
-        self._job_started_at = time.monotonic()
-        try:
-            return fn(*args)
-        finally:
-            self._job_started_at = None
-
     def check_health(self) -> None:
-        """Raise if an engine job (a prompt's prefill, an ack) has made no progress (no engine
-        step) for `stall_timeout_s`."""
-        started = self._job_started_at
-        if started is None:
-            return
-        stalled = time.monotonic() - max(started, self.worker.last_step_at)
-        if stalled > self.config.stall_timeout_s:
-            raise RuntimeError(f"the prefill engine has made no progress for {stalled:.1f} s: wedged")
-
-    def wedge(self) -> None:
-        """Fault injection: occupy the engine thread for good (tests of the health check)."""
-        self._executor.submit(self._timed, threading.Event().wait)
+        """Raise if the engine's step loop has exited or not turned for `stall_timeout_s`."""
+        self.engine.check_health(self.config.stall_timeout_s)
 
     def _ensure_reaper(self) -> None:
         if self._reaper is None or self._reaper.done():
@@ -120,12 +126,12 @@ class PrefillServer:
         period = max(0.05, min(1.0, self.config.kv_transfer.lease_s / 4))
         while True:
             await asyncio.sleep(period)
-            await self._run(self.worker.reap)
+            await self.engine.call(self.exporter.reap)
 
     def close(self) -> None:
         if self._reaper is not None:
             self._reaper.cancel()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.engine.shutdown()
         self.connector.close()
 
 
@@ -136,7 +142,7 @@ class LocalPrefillClient:
         self.server = server
 
     async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                      receiver: dict[str, Any]) -> PrefillHandoff:
+                      receiver: Receiver) -> PrefillHandoff:
         return await self.server.prefill(request_id, prompt_token_ids, params, receiver)
 
     async def ack(self, handoff: PrefillHandoff) -> None:

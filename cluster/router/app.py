@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 from ray.serve.config import RequestRouterConfig
+from ray.serve.deployment import Deployment
 from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
@@ -326,6 +327,11 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     from cluster.decode.deployment import DecodeDeployment
     from cluster.prefill.deployment import PrefillDeployment
 
+    return compose_app(args, PrefillDeployment, DecodeDeployment)
+
+
+def compose_app(args: dict[str, Any] | None, prefill_pool: Deployment, decode_pool: Deployment) -> serve.Application:
+    """The app over these pool deployments (`build_app`'s; tests pass subclasses of them)."""
     config = AppConfig.from_args(args)
     raw = dict(args or {})
     stats_period = {"request_routing_stats_period_s": ROUTING_STATS_PERIOD_S,
@@ -333,10 +339,10 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     decode_router = RequestRouterConfig(request_router_class="cluster.router.request_routers:DecodeRouter",
                                         **stats_period)
     if config.mode == "colocated":
-        decode = DecodeDeployment.options(request_router_config=decode_router).bind(raw, None)
+        decode = decode_pool.options(request_router_config=decode_router).bind(raw, None)
     else:
         prefill_router = RequestRouterConfig(request_router_class="cluster.router.request_routers:PrefillRouter",
                                              **stats_period)
-        prefill = PrefillDeployment.options(request_router_config=prefill_router).bind(raw)
-        decode = DecodeDeployment.options(request_router_config=decode_router).bind(raw, prefill)
+        prefill = prefill_pool.options(request_router_config=prefill_router).bind(raw)
+        decode = decode_pool.options(request_router_config=decode_router).bind(raw, prefill)
     return RouterDeployment.bind(raw, decode)

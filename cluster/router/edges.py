@@ -12,7 +12,7 @@ from typing import Any
 import ray
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from cluster.handoff import PrefillFailed
+from cluster.kvtransfer.handoff import PrefillFailed
 from cluster.kvtransfer.errors import KVTransferError
 from cluster.router.errors import APIError
 

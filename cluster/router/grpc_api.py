@@ -70,10 +70,11 @@ def request_body(req: pb.GenerateRequest) -> tuple[str, dict[str, Any]]:
             raise APIError(400, "json_object and json_schema exclude each other", param="json_schema")
         schema = _json_text(req.json_schema, "json_schema", "a JSON Schema as JSON text")
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "grpc", "schema": schema}}
-    if req.HasField("regex") or req.choice:
-        body["structured_outputs"] = {"regex": req.regex} if req.HasField("regex") else {}
-        if req.choice:
-            body["structured_outputs"]["choice"] = list(req.choice)
+    structured = {name: getattr(req, name) for name in ("regex", "grammar", "structural_tag") if req.HasField(name)}
+    if req.choice:
+        structured["choice"] = list(req.choice)
+    if structured:
+        body["structured_outputs"] = structured
     chat_only = [name for name in (*_CHAT_ONLY, "chat_template_kwargs") if req.HasField(name)]
     if which == "chat":
         body["messages"] = [{"role": m.role, "content": m.content} for m in req.chat.messages]

@@ -125,10 +125,10 @@ class OpenAIServer:
             req.check_supported()
             ids, tools = self.chat_prompt(req)
             held = req.held()
-            if tools is not None and held.any:
+            if tools is not None and held is not None:
                 raise APIError(400, "response_format or structured_outputs and a tool_choice that calls tools "
                                     "exclude each other", param="response_format")
-            if req.continue_final_message and (tools is not None or held.as_json):  # its JSON starts the reply
+            if req.continue_final_message and (tools is not None or (held is not None and held.is_json)):  # its JSON starts the reply
                 raise APIError(400, "continue_final_message cannot be held to JSON (response_format, tool calls)",
                                param="continue_final_message")
             prompts = [ids]
@@ -149,7 +149,7 @@ class OpenAIServer:
         extras = req.token_fields(self.tokenizer.hf, self.tokenizer.vocab_size)
         per_prompt = [req.sampling_params(limit, req.requested_logprobs(), bias, **extras) for limit in limits]
         if tools is not None:
-            per_prompt = [dataclasses.replace(ps, json_schema=tools.schema) for ps in per_prompt]
+            per_prompt = [dataclasses.replace(ps, structured=tools.schema) for ps in per_prompt]
         echo = None
         if kind == "text" and req.echo:
             echo = [p if isinstance(p, str) and req.truncate_prompt_tokens is None else self.tokenizer.hf.decode(ids)

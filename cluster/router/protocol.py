@@ -14,13 +14,13 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
-from cluster.engine.regex_compiler import MAX_PATTERN_CHARS
 from cluster.engine.tokenizer import RESERVED_TEMPLATE_VARIABLES
 from cluster.router.errors import APIError
-from cluster.router.structured import GUIDED, Held, held_to
+from cluster.router.structured import GUIDED, held_to
 from cluster.router.vllm_extras import VllmExtras
 from cluster.sampling_params import (MAX_ABS_PRIORITY, MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, MAX_LOGPROBS,
                                      SamplingParams)
+from cluster.structured_output import MAX_PATTERN_CHARS, StructuredOutput
 
 MAX_N = 16
 MAX_CHOICES = 64  # prompts x n in one /v1/completions request
@@ -181,6 +181,7 @@ class _Sampling(_Strict, VllmExtras):
     guided_json: Union[dict[str, Any], str, None] = None  # vLLM's before 0.12: structured_outputs'
     guided_regex: Pattern | None = None
     guided_choice: Choices | None = None
+    guided_grammar: str | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extra (lax, as vLLM: true is 1)
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)  # vLLM's: a tenant's own cache
     priority: StrictInt = Field(0, ge=-MAX_ABS_PRIORITY, lt=MAX_ABS_PRIORITY)  # vLLM's: lower runs first
@@ -205,7 +206,7 @@ class _Sampling(_Strict, VllmExtras):
             raise ValueError("a token id is named more than once")
         return v
 
-    def held(self) -> Held:
+    def held(self) -> StructuredOutput | None:
         """What the reply is held to (response_format, structured_outputs), checked: 400s name the field."""
         structured = self.structured_outputs
         guided = {k: getattr(self, k) for k in GUIDED if getattr(self, k) is not None}
@@ -221,7 +222,7 @@ class _Sampling(_Strict, VllmExtras):
         return pairs
 
     _clean_salt = field_validator("cache_salt")(clean_text)
-    _clean_texts = field_validator("stop", "guided_regex", "guided_choice", "bad_words")(clean_texts)
+    _clean_texts = field_validator("stop", "guided_regex", "guided_choice", "guided_grammar", "bad_words")(clean_texts)
 
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -255,9 +256,7 @@ class _Sampling(_Strict, VllmExtras):
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 logit_bias=logit_bias,
-                json_object=held.json_object,
-                json_schema=held.json_schema,
-                regex=held.regex,
+                structured=held,
                 cache_salt=self.cache_salt,
                 priority=self.priority,
                 **extras,

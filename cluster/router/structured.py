@@ -1,57 +1,43 @@
 """What a reply is held to: OpenAI's `response_format` and vLLM's `structured_outputs` (and its
-`guided_json` / `guided_regex` / `guided_choice`, the same before vLLM 0.12), checked at the
-edge and turned into the `SamplingParams` fields the engine enforces.
+`guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`, the same before vLLM 0.12),
+checked at the edge and turned into the `StructuredOutput` the engine enforces
+(cluster/structured_output.py says what each kind takes and what is refused).
 
-    response_format {"type": "json_object"}        → json_object  (engine/json_mode.py)
-    response_format {"type": "json_schema", ...}   → json_schema  (engine/json_schema.py)
+    response_format {"type": "json_object"}        → json_object
+    response_format {"type": "json_schema", ...}   → json_schema     (its root must be an object, as OpenAI's)
     structured_outputs {"json_object": true}       → json_object
-    structured_outputs {"json": schema}            → json_schema  (a schema as an object or as JSON text)
-    structured_outputs {"regex": pattern}          → regex        (engine/regex.py: the whole reply matches)
-    structured_outputs {"choice": [texts]}         → regex        (the reply is exactly one of them)
+    structured_outputs {"json": schema}            → json_schema     (a schema as an object or as JSON text)
+    structured_outputs {"regex": pattern}          → regex           (the whole reply matches)
+    structured_outputs {"choice": [texts]}         → choice          (the reply is exactly one of them)
+    structured_outputs {"grammar": ebnf}           → grammar         (xgrammar's EBNF; the start rule is `root`)
+    structured_outputs {"structural_tag": json}    → structural_tag  (xgrammar's, as JSON text or an object)
 
-One of these at most per request. `grammar`, `structural_tag` and `whitespace_pattern` are
-refused with a 400 naming them, never silently dropped. A JSON value's root must be an object.
+One of these at most per request. `whitespace_pattern` is refused with a 400 naming it, never
+silently dropped. What only compiling can tell (an EBNF grammar's syntax, a structural tag's
+shape) is refused by the engine: a 400 too, without `param`. Torch-free: nothing here imports a
+grammar library.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from typing import Any
 
-from cluster.engine.json_schema import SchemaError
-from cluster.engine.regex import RegexError, choice_pattern, regex_recognizer
-from cluster.engine.schema_compiler import root_kinds, schema_recognizer, schema_text
 from cluster.router.errors import APIError
+from cluster.structured_output import StructuredOutput, StructuredOutputError, root_is_object
 
 _SCHEMA_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
-UNSUPPORTED = ("grammar", "structural_tag", "whitespace_pattern")
-GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice"}
-
-
-@dataclass(frozen=True)
-class Held:
-    """The request's constraint, as SamplingParams takes it (all unset: free text)."""
-
-    json_object: bool = False
-    json_schema: str | None = None
-    regex: str | None = None
-
-    @property
-    def as_json(self) -> bool:
-        return self.json_object or self.json_schema is not None
-
-    @property
-    def any(self) -> bool:
-        return self.as_json or self.regex is not None
+UNSUPPORTED = ("whitespace_pattern",)
+KEYS = ("choice", "regex", "json", "json_object", "grammar", "structural_tag")
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 def held_to(response_format: dict[str, Any] | None, structured: dict[str, Any] | None,
-            guided: dict[str, Any]) -> Held:
+            guided: dict[str, Any]) -> StructuredOutput | None:
     """The constraint a request asks for (`structured`: its structured_outputs, validated as a
-    `StructuredOutputs`, without unset keys; `guided`: its guided_* fields that are set), or a
-    400 naming the field at fault."""
+    `StructuredOutputs`, without unset keys; `guided`: its guided_* fields that are set), None
+    for free text, or a 400 naming the field at fault."""
     if guided:
         if structured is not None:
             raise APIError(400, "structured_outputs and guided_* fields exclude each other", param=next(iter(guided)))
@@ -62,40 +48,47 @@ def held_to(response_format: dict[str, Any] | None, structured: dict[str, Any] |
     from_format = _response_format(response_format)
     if structured is None:
         return from_format
-    if from_format.any:
+    if from_format is not None:
         raise APIError(400, "response_format and structured_outputs exclude each other", param=param)
     for key in UNSUPPORTED:
         if structured.get(key) is not None:
-            raise APIError(400, f"structured_outputs.{key} is not supported (choice, regex, json and "
-                                "json_object are)", param=param)
-    given = [k for k in ("choice", "regex", "json", "json_object") if structured.get(k) not in (None, False)]
+            raise APIError(400, f"structured_outputs.{key} is not supported ({', '.join(KEYS)} are)", param=param)
+    given = [k for k in KEYS if structured.get(k) not in (None, False)]
     if len(given) != 1:
-        raise APIError(400, "structured_outputs takes exactly one of choice, regex, json and json_object",
-                       param=param)
-    value = structured[given[0]]
-    if given[0] == "json_object":
-        return Held(json_object=True)
-    if given[0] == "json":
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError:
-                raise APIError(400, "structured_outputs.json is not valid JSON", param=param) from None
-        return Held(json_schema=_object_schema(value, "structured_outputs.json", param))
-    pattern = choice_pattern(value) if given[0] == "choice" else value
+        raise APIError(400, f"structured_outputs takes exactly one of {', '.join(KEYS)}", param=param)
+    key = given[0]
+    value = structured[key]
     try:
-        regex_recognizer(pattern)
-    except RegexError as exc:
-        raise APIError(400, f"structured_outputs.{given[0]}: {exc}", param=param) from None
-    return Held(regex=pattern)
+        if key == "json_object":
+            return StructuredOutput("json_object")
+        if key == "json":
+            return StructuredOutput.schema(_json_value(value, "structured_outputs.json", param))
+        if key == "choice":
+            return StructuredOutput.choices(value)
+        if key == "structural_tag":
+            value = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        if not isinstance(value, str):
+            raise StructuredOutputError(f"must be {'text' if key == 'grammar' else 'a string or an object'}")
+        return StructuredOutput(key, value)
+    except StructuredOutputError as exc:
+        raise APIError(400, f"structured_outputs.{key}: {exc}", param=param) from None
 
 
-def _response_format(response_format: dict[str, Any] | None) -> Held:
+def _json_value(value: Any, where: str, param: str) -> Any:
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except (ValueError, RecursionError):
+            raise APIError(400, f"{where} is not valid JSON", param=param) from None
+    return value
+
+
+def _response_format(response_format: dict[str, Any] | None) -> StructuredOutput | None:
     kind = (response_format or {}).get("type", "text")
     if kind == "json_object":
-        return Held(json_object=True)
+        return StructuredOutput("json_object")
     if kind == "text":
-        return Held()
+        return None
     if kind != "json_schema":
         raise APIError(400, "response_format type must be \"text\", \"json_object\" or \"json_schema\"",
                        param="response_format")
@@ -107,18 +100,12 @@ def _response_format(response_format: dict[str, Any] | None) -> Held:
     if name is not None and not (isinstance(name, str) and _SCHEMA_NAME.fullmatch(name)):
         raise APIError(400, "response_format.json_schema.name must be 1-64 of a-z A-Z 0-9 _ -",
                        param="response_format")
-    return Held(json_schema=_object_schema(spec.get("schema"), "response_format.json_schema.schema",
-                                           "response_format"))
-
-
-def _object_schema(schema: Any, where: str, param: str) -> str:
-    """`schema` as the compact JSON text SamplingParams.json_schema carries, once checked."""
-    if not isinstance(schema, dict):
-        raise APIError(400, f"{where} must be a JSON Schema (an object)", param=param)
+    where = "response_format.json_schema.schema"
     try:
-        text = schema_text(schema)
-        if root_kinds(schema_recognizer(text)) != {"object"}:
-            raise SchemaError("the schema's root must be an object (\"type\": \"object\")")
-    except SchemaError as exc:
-        raise APIError(400, f"{where}: {exc}", param=param) from None
-    return text
+        held = StructuredOutput.schema(spec["schema"])
+    except StructuredOutputError as exc:
+        raise APIError(400, f"{where}: {exc}", param="response_format") from None
+    if not root_is_object(spec["schema"]):
+        raise APIError(400, f"{where}: the schema's root must be an object (\"type\": \"object\")",
+                       param="response_format")
+    return held

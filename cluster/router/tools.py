@@ -1,6 +1,6 @@
 """Tool calling (`tools`, `tool_choice`) by structured output: the reply is held to the calls'
 JSON, so every call names a given function and its arguments are a value of that function's
-`parameters` schema (engine/json_schema.py says which keywords), whatever the model.
+`parameters` schema (cluster/structured_output.py says which keywords), whatever the model.
 
     plan(tools, tool_choice, parallel_tool_calls) → ToolPlan | None   (APIError on bad input)
     messages(conversation, plan, template_takes_tools) → the conversation the template reads
@@ -27,9 +27,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.engine.json_schema import SchemaError
-from cluster.engine.schema_compiler import schema_text
 from cluster.router.errors import APIError
+from cluster.structured_output import StructuredOutput, StructuredOutputError
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -41,7 +40,7 @@ class ToolPlan:
     tools: tuple[dict[str, Any], ...]  # {"type": "function", "function": {name, description?, parameters}}
     named: str | None  # the forced function, or None for "required"
     parallel: bool
-    schema: str  # what the reply is held to, as SamplingParams.json_schema takes it
+    schema: StructuredOutput  # what the reply is held to (a json_schema)
 
     @property
     def finish_reason(self) -> str:
@@ -112,7 +111,7 @@ def plan(tools: Any, tool_choice: Any, parallel_tool_calls: Any = True) -> ToolP
                             '{"type": "function", "function": {"name": …}} or "none"', param="tool_choice")
     params = {t["function"]["name"]: t["function"]["parameters"] for t in checked}
     if tool_choice == "required":
-        return ToolPlan(checked, None, parallel_tool_calls, schema_text(_calls_schema(params, parallel_tool_calls)))
+        return ToolPlan(checked, None, parallel_tool_calls, StructuredOutput.schema(_calls_schema(params, parallel_tool_calls)))
     fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not (isinstance(tool_choice, dict) and tool_choice.get("type") == "function" and isinstance(name, str)):
@@ -120,7 +119,7 @@ def plan(tools: Any, tool_choice: Any, parallel_tool_calls: Any = True) -> ToolP
                             '"function": {"name": …}}', param="tool_choice")
     if name not in params:
         raise APIError(400, "tool_choice names a function that is not among the tools", param="tool_choice")
-    return ToolPlan(checked, name, False, schema_text(params[name]))
+    return ToolPlan(checked, name, False, StructuredOutput.schema(params[name]))
 
 
 def _check_tools(tools: Any) -> tuple[dict[str, Any], ...]:
@@ -140,8 +139,8 @@ def _check_tools(tools: Any) -> tuple[dict[str, Any], ...]:
         if not isinstance(params, dict) or params.get("type", "object") != "object":
             raise APIError(400, f"tools[{i}].function.parameters must be a JSON Schema of an object", param="tools")
         try:
-            schema_text(params)
-        except SchemaError as exc:
+            StructuredOutput.schema(params)
+        except StructuredOutputError as exc:
             raise APIError(400, f"tools[{i}].function.parameters: {exc}", param="tools") from None
         entry = {"name": name, "parameters": params}
         if isinstance(fn.get("description"), str):
@@ -175,9 +174,9 @@ def _moved(schema: Any, base: str) -> Any:
         for key in ("properties", "$defs", "definitions"):
             if isinstance(s.get(key), dict):
                 todo.extend(s[key].values())
-        for key in ("items", "additionalProperties"):
+        for key in ("items", "additionalProperties", "unevaluatedProperties"):
             todo.append(s.get(key))
-        for key in ("anyOf", "oneOf"):
+        for key in ("anyOf", "oneOf", "prefixItems"):
             if isinstance(s.get(key), list):
                 todo.extend(s[key])
     return schema

@@ -31,11 +31,15 @@ def args_of(config_file: str) -> dict[str, Any]:
     return load_config(config_file)["applications"][0]["args"]
 
 
-def deploy(args: dict[str, Any]) -> None:
-    """(Re)deploy the Tandem app with these args through serve.run; returns when it is healthy."""
+def deploy(args: dict[str, Any], faults: bool = False) -> None:
+    """(Re)deploy the Tandem app with these args through serve.run; returns when it is healthy.
+    `faults`: pools a test can arm faults in (tests/fault_pools.py)."""
     from ray import serve
 
-    from cluster.router.app import build_app
+    if faults:
+        from fault_pools import build_app
+    else:
+        from cluster.router.app import build_app
 
     serve.run(build_app(args), name=APP, route_prefix="/")
 

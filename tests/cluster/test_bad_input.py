@@ -113,7 +113,16 @@ CASES = {
         "type": "json_schema", "json_schema": {"name": "m"}}), None, 400, "response_format"),
     "response_format_json_schema_keyword_not_enforced": ("POST", CHAT, chat(response_format={
         "type": "json_schema", "json_schema": {"name": "m", "schema": {"type": "object", "properties": {
-            "s": {"type": "string", "pattern": MARK}}}}}), None, 400, "response_format"),
+            "s": {"type": "array", "uniqueItems": True, "description": MARK}}}}}), None, 400, "response_format"),
+    "response_format_json_schema_pattern_that_does_not_parse": ("POST", CHAT, chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "m", "schema": {"type": "object", "properties": {
+            "s": {"type": "string", "pattern": f"[{MARK}"}}}}}), None, 400, "response_format"),
+    "structured_outputs_regex_with_lookaround": ("POST", CHAT, chat(structured_outputs={"regex": f"(?={MARK})a"}),
+                                                 None, 400, "structured_outputs"),
+    "structured_outputs_grammar_that_does_not_compile": ("POST", CHAT, chat(structured_outputs={
+        "grammar": f'root ::= "{MARK}" ('}), None, 400, ...),  # refused by the engine's compiler
+    "structured_outputs_structural_tag_of_no_known_shape": ("POST", CHAT, chat(structured_outputs={
+        "structural_tag": {"type": "structural_tag", "format": {"type": "nothing"}}}), None, 400, ...),
     "response_format_json_schema_nested_80_deep": ("POST", CHAT, chat(response_format={
         "type": "json_schema", "json_schema": {"name": "m", "schema": nested_schema(80)}}), None, 400,
         "response_format"),
@@ -126,7 +135,7 @@ CASES = {
                                         "tool_choice"),
     "tool_parameters_keyword_not_enforced": ("POST", CHAT, chat(tool_choice="required", tools=[{
         "type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-            "s": {"type": "string", "pattern": MARK}}}}}]), None, 400, "tools"),
+            "s": {"type": "array", "uniqueItems": True, "description": MARK}}}}}]), None, 400, "tools"),
     "json_schema_keyword_7kb_long": ("POST", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
         "name": "m", "schema": {"type": "object", MARK * 1000: 1}}}), None, 400, "response_format"),
     "logit_bias_key_not_a_token_id": ("POST", CHAT, chat(logit_bias={MARK: 1}), None, 400, "logit_bias"),

@@ -8,7 +8,8 @@ on a local Ray with real processes:
   - a decode replica SIGKILLed mid-stream (the stream moves) or after the prefill (the lease
     frees the prefill's blocks), or stopped past the lease and resumed (late ack counted); a
     prefill replica dead before its KV is fetched (recompute)
-Apps are deployed as `serve deploy` deploys them (apply_serve_config), pool options from YAML."""
+Apps are deployed as `serve deploy` deploys them (apply_serve_config), pool options from YAML,
+over the pools of tests/fault_pools.py (the real ones, with fault hooks a test arms)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def config(args: dict, prefill: int | None, decode: int = 1, prefill_resources: 
     if prefill is not None:
         options = {"num_cpus": 0.5, **({"resources": prefill_resources} if prefill_resources else {})}
         deployments.append({"name": "PrefillPool", "num_replicas": prefill, "ray_actor_options": options})
-    return {"applications": [{"name": APP, "route_prefix": "/", "import_path": "cluster.router.app:build_app",
+    return {"applications": [{"name": APP, "route_prefix": "/", "import_path": "fault_pools:build_app",
                               "args": args, "deployments": deployments}]}
 
 
@@ -198,7 +199,6 @@ def test_decode_replica_stopped_past_the_lease_then_resumed_finishes_and_its_lat
     try:
         wait_for_replica(serve_url, lambda s: s["pool"] == "prefill" and s.get("lease_expired", 0) == 1
                          and s["blocks_in_use"] == 0, 15, "the lease to expire while decode is stopped")
-        time.sleep(2)
     finally:
         os.kill(before["decode"]["pid"], signal.SIGCONT)
     worker.join(timeout=60)

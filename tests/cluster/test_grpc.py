@@ -36,7 +36,7 @@ def cluster(ray_local, tiny_model_paths):
     serve.start(http_options={"host": "127.0.0.1", "port": http_port},
                 grpc_options={"port": grpc_port, "grpc_servicer_functions": [grpc_api.SERVICER]})
     deploy({"model": str(tiny_model_paths["llama"]), "served_model_name": "tiny", "api_key": KEY,
-            "engine": {"num_blocks": 64}, "kv_transfer": {"connector": "tcp"}})
+            "engine": {"num_blocks": 64}, "kv_transfer": {"connector": "tcp"}}, faults=True)
     channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
     grpc.channel_ready_future(channel).result(timeout=30)
     url = f"http://127.0.0.1:{http_port}"

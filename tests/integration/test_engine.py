@@ -8,9 +8,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from cluster import LLM, SamplingParams
+from cluster import LLM, SamplingParams, StructuredOutput
 from cluster.models.architecture import UnsupportedModelError
 
+JSON_OBJECT = StructuredOutput("json_object")
 GREEDY_32 = SamplingParams(temperature=0.0, max_tokens=32, min_tokens=32)
 TEXT_PROMPTS = ["Hello there, how are you today?", "The quick brown fox", "1, 2, 3,",
                 "Write a haiku about the sea."]
@@ -138,19 +139,19 @@ def test_prefix_cache_hit_gives_the_same_tokens_and_counts_hits(tiny_model_paths
 def test_default_model_json_mode_answers_in_json_and_a_migrated_request_continues_the_object():
     llm = LLM()
     ask = [{"role": "user", "content": "Give me a JSON object describing a cat with keys name, age and color."}]
-    greedy = SamplingParams(temperature=0.0, max_tokens=80, json_object=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=80, structured=JSON_OBJECT)
     out = llm.chat(ask, greedy)[0]
     assert out.outputs[0].finish_reason == "stop"
     assert {"name", "age", "color"} <= json.loads(out.outputs[0].text).keys()
 
-    sampled = llm.chat([ask] * 3, [SamplingParams(temperature=0.8, seed=s, max_tokens=80, json_object=True)
+    sampled = llm.chat([ask] * 3, [SamplingParams(temperature=0.8, seed=s, max_tokens=80, structured=JSON_OBJECT)
                                    for s in range(3)])
     for o in sampled:
         assert o.outputs[0].finish_reason == "stop" and isinstance(json.loads(o.outputs[0].text), dict)
 
     # a request moved to another replica: the prompt now ends with the first k output tokens
     ids, k = out.outputs[0].token_ids, 7
-    moved = SamplingParams(temperature=0.0, max_tokens=80 - k, json_object=True, prior_output_tokens=k)
+    moved = SamplingParams(temperature=0.0, max_tokens=80 - k, structured=JSON_OBJECT, prior_output_tokens=k)
     rest = llm.generate([out.prompt_token_ids + ids[:k]], moved)[0].outputs[0].token_ids
     assert ids[:k] + rest == ids
 
@@ -167,20 +168,20 @@ def test_default_model_json_schema_answers_with_a_value_of_the_schema_and_a_migr
 
     llm = LLM()
     ask = [{"role": "user", "content": "What is the capital of France? Answer in JSON."}]
-    greedy = SamplingParams(temperature=0.0, max_tokens=80, json_schema=json.dumps(CAPITAL))
+    greedy = SamplingParams(temperature=0.0, max_tokens=80, structured=StructuredOutput.schema(CAPITAL))
     out = llm.chat(ask, greedy)[0]
     answer = json.loads(out.outputs[0].text)
     jsonschema.validate(answer, CAPITAL)
     assert out.outputs[0].finish_reason == "stop" and answer["capital"] == "Paris" and answer["continent"] == "Europe"
 
-    sampled = llm.chat([ask] * 3, [SamplingParams(temperature=1.0, seed=s, max_tokens=120, json_schema=json.dumps(CAPITAL))
+    sampled = llm.chat([ask] * 3, [SamplingParams(temperature=1.0, seed=s, max_tokens=120, structured=StructuredOutput.schema(CAPITAL))
                                    for s in range(3)])
     for o in sampled:
         if o.outputs[0].finish_reason == "stop":  # (a sampled string may run to max_tokens)
             jsonschema.validate(json.loads(o.outputs[0].text), CAPITAL)
 
     ids, k = out.outputs[0].token_ids, 9
-    moved = SamplingParams(temperature=0.0, max_tokens=80 - k, json_schema=json.dumps(CAPITAL), prior_output_tokens=k)
+    moved = SamplingParams(temperature=0.0, max_tokens=80 - k, structured=StructuredOutput.schema(CAPITAL), prior_output_tokens=k)
     assert ids[:k] + llm.generate([out.prompt_token_ids + ids[:k]], moved)[0].outputs[0].token_ids == ids
 
 

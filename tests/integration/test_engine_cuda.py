@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_engine import assert_same_greedy_replies, mixed_prompts, token_ids
 
-from cluster import LLM, SamplingParams
+from cluster import LLM, SamplingParams, StructuredOutput
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -27,16 +27,23 @@ def cuda_llm(model: str | None = None, **engine_args) -> LLM:
     return LLM(model, device="cuda", **{"dtype": "float32", "num_blocks": 2048, **engine_args})
 
 
+# ngram drafts on a random model's own repeats; fixed lengths, so every step that can verifies
+NGRAM = {"method": "ngram", "adaptive": False, "prompt_lookup_min": 1, "num_speculative_tokens": 3}
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
 @pytest.mark.parametrize("engine_args", [
     {}, {"max_num_batched_tokens": 8},  # decodes beside prefill chunks over a cached prefix
     {"num_blocks": 16, "block_size": 8},  # preemption and recompute
 ])
-def test_cuda_fp32_gives_the_cpu_tokens_on_a_mixed_batch(tiny_model_paths, kind, engine_args):
+@pytest.mark.parametrize("spec", [None, NGRAM], ids=["plain", "ngram"])
+def test_cuda_fp32_gives_the_cpu_tokens_on_a_mixed_batch(tiny_model_paths, kind, engine_args, spec):
+    """CUDA (graphs, Triton) against CPU, both with or without speculation; the CPU reference is
+    always unspeculated, so a verify step's tokens are checked against plain decoding too."""
     folder = str(tiny_model_paths[kind])
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)
     expected = LLM(folder, device="cpu", **engine_args).generate(mixed_prompts(), params)
-    llm = cuda_llm(folder, **engine_args)
+    llm = cuda_llm(folder, **engine_args, **({"speculative_config": spec} if spec else {}))
     got = llm.generate(mixed_prompts(), params)
     assert_same_greedy_replies(got, expected, tol=1e-3)
     assert llm.engine.stats()["blocks_in_use"] == 0
@@ -58,6 +65,27 @@ def test_graph_replays_give_the_eager_steps_tokens(tiny_model_paths):
         assert_same_greedy_replies(graphs.generate(prompts, params), eager.generate(prompts, params), tol=1e-4)
     assert graphs.engine.runner.graphs.steps > 0
     assert graphs.engine.stats()["blocks_in_use"] == 0
+
+
+def test_verify_steps_are_graph_replays(tiny_model_paths):
+    """With speculation on, a step of decodes and their drafts replays a graph (1 + k rows a
+    request) and gives the tokens of eager unspeculated decoding on the same device."""
+    folder = str(tiny_model_paths["llama"])
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=1)
+    args = {"max_num_batched_tokens": 64, "max_num_seqs": 8}
+    eager = cuda_llm(folder, enforce_eager=True, **args)
+    self_draft = {"model": folder, "adaptive": False, "num_speculative_tokens": 3}  # drafts accepted
+    spec = cuda_llm(folder, speculative_config=self_draft, **args)
+    graphs = spec.engine.runner.graphs
+    assert graphs.max_batch == 8 * (1 + 3)  # a full batch with its drafts fits the graphs
+    sizes = []
+    run = graphs.run
+    graphs.run = lambda rows: sizes.append(len(rows)) or run(rows)
+    assert_same_greedy_replies(spec.generate(mixed_prompts(), params), eager.generate(mixed_prompts(), params),
+                               tol=1e-4)
+    accepted = spec.engine.speculator.stats()["spec_num_accepted_tokens"]
+    assert accepted > 0 and max(sizes) > len(mixed_prompts())  # verify rows went through the graphs
+    assert spec.engine.stats()["blocks_in_use"] == 0
 
 
 @pytest.mark.parametrize("prefill_device,decode_device", [("cuda", "cpu"), ("cpu", "cuda")])
@@ -117,5 +145,5 @@ def test_default_model_on_cuda(default_model_path):
         assert max(abs(ours.get(t, -99.0) - ref[t]) for t in top) < 0.3, (ref, ours)
 
     cat = [{"role": "user", "content": "Give me a JSON object describing a cat with keys name, age and color."}]
-    out = bf16.chat(cat, SamplingParams(temperature=0.0, max_tokens=80, json_object=True))[0].outputs[0]
+    out = bf16.chat(cat, SamplingParams(temperature=0.0, max_tokens=80, structured=StructuredOutput("json_object")))[0].outputs[0]
     assert out.finish_reason == "stop" and isinstance(json.loads(out.text), dict), out.text

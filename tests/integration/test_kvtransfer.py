@@ -11,6 +11,7 @@ import pytest
 
 from cluster import SamplingParams
 from cluster.kvtransfer.errors import KVFrameError, KVIntegrityError
+from cluster.kvtransfer.handoff import Receipt
 
 CONNECTORS = ["shared_store", "tcp", "collective"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -148,7 +149,7 @@ def test_bad_payloads_are_refused_counted_and_the_engines_keep_serving(pair, ray
         refused_on_the_spot = None
     except Exception as exc:  # tcp's listener replies with its verdict; the collective sender checks first
         refused_on_the_spot = repr(exc)
-        receipt = {}
+        receipt = Receipt()
     if unframeable or refused_on_the_spot:
         assert refused_on_the_spot and error.__name__ in refused_on_the_spot, refused_on_the_spot
     got = ray.get(d.receive_error.remote(rid, receipt, 1.0 if unframeable else 5.0))
@@ -243,7 +244,7 @@ def test_peer_gone_before_and_after_send(connector, ray_local, tiny_model_paths)
 
 @pytest.mark.parametrize("connector", ["tcp", "shared_store"])
 def test_failure_policy_fail_ends_the_request_with_the_typed_error(connector, ray_local, tiny_model_paths):
-    from cluster.prefill.worker import PrefillHandoff
+    from cluster.kvtransfer.handoff import PrefillHandoff
 
     ray = ray_local
     model = tiny_model_paths["llama"]

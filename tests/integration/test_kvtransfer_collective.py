@@ -17,7 +17,8 @@ import ray
 import ray.cloudpickle
 import torch
 
-from cluster.kvtransfer.wire import MAX_HEADER_BYTES, KVLayout, make_header
+from cluster.engine.kv_layout import KVLayout
+from cluster.kvtransfer.wire import MAX_HEADER_BYTES, make_header
 
 LAYOUT = KVLayout("tiny@0", 2, 2, 8, 4, "float32")  # 1 KiB per block
 TIMEOUT_S = 5.0
@@ -58,11 +59,11 @@ class Host:
     def kv_control(self, op: str, args: dict):
         return self.conn.on_control(op, args)
 
-    def expect(self, rid: str, num_blocks: int) -> dict:
+    def expect(self, rid: str, num_blocks: int):
         self.conn.expect(rid, num_blocks)
         return self.conn.receiver_info()
 
-    def send(self, rid: str, num_blocks: int, seed: int, receiver: dict, defect: str = "none"):
+    def send(self, rid: str, num_blocks: int, seed: int, receiver, defect: str = "none"):
         tensor = payload(seed, num_blocks)
         if defect == "none":
             return outcome(lambda: self.conn.send(rid, num_blocks * LAYOUT.block_size, tensor, receiver))
@@ -77,9 +78,9 @@ class Host:
             data = data[:-64]
         return outcome(lambda: self.conn._transmit(header, memoryview(data), receiver))
 
-    def send_bogus_length(self, receiver: dict) -> None:
+    def send_bogus_length(self, receiver) -> None:
         """On the cached group: a header length the receiver cannot frame."""
-        link = self.conn._links[receiver["connector_id"]]
+        link = self.conn._links[receiver.connector_id]
         self.conn._send(link, torch.tensor([MAX_HEADER_BYTES + 1]))
 
     def receive(self, rid: str, timeout_s: float = TIMEOUT_S):

@@ -3,6 +3,7 @@ bad frames are refused and counted, and the listener keeps serving."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 
@@ -12,8 +13,10 @@ import torch
 import zmq
 
 from cluster.kvtransfer.errors import KVFrameError, KVIntegrityError, KVPeerGoneError, KVTimeoutError
+from cluster.kvtransfer.handoff import Receipt
 from cluster.kvtransfer.tcp import MAGIC, TRAILER, TcpConnector
-from cluster.kvtransfer.wire import KVLayout, checksum, encode_trailer, make_header
+from cluster.engine.kv_layout import KVLayout
+from cluster.kvtransfer.wire import checksum, encode_trailer, make_header
 
 LAYOUT = KVLayout("tiny@0", 2, 2, 8, 4, "float32")
 
@@ -51,7 +54,7 @@ def test_pickled_frames_are_refused_and_never_executed(receiver, tmp_path):
     marker = tmp_path / "pwned"
     _Exploit.marker = str(marker)
     evil = pickle.dumps(_Exploit())
-    address = receiver.receiver_info()["address"]
+    address = receiver.receiver_info().address
     receiver.expect("r1", 3)
 
     assert raw_send(address, [evil])["ok"] is False  # a lone pickle
@@ -67,13 +70,13 @@ def test_pickled_frames_are_refused_and_never_executed(receiver, tmp_path):
     try:
         kv = payload()
         sender.send("r1", 10, kv, receiver.receiver_info())
-        assert torch.equal(receiver.receive("r1", {}), kv)
+        assert torch.equal(receiver.receive("r1", Receipt()), kv)
     finally:
         sender.close()
 
 
 def test_unexpected_oversized_and_unreachable(receiver):
-    address = receiver.receiver_info()["address"]
+    address = receiver.receiver_info().address
     header, view = make_header("nobody", 10, payload(), LAYOUT)
     reply = raw_send(address, [MAGIC, header.encode(), bytes(view)])
     assert reply["ok"] is False and receiver.stats()["dropped_unexpected"] == 1
@@ -85,15 +88,15 @@ def test_unexpected_oversized_and_unreachable(receiver):
         with pytest.raises(KVTimeoutError):
             sender.transmit_frames(address, [MAGIC, header.encode(), b"\0" * ((1 << 20) + 1)])
         with pytest.raises(KVTimeoutError):
-            receiver.receive("big", {}, timeout_s=0.5)
+            receiver.receive("big", Receipt(), timeout_s=0.5)
         # nobody listens here
         with pytest.raises(KVPeerGoneError):
-            sender.send("x", 10, payload(), {**receiver.receiver_info(), "address": "tcp://127.0.0.1:9"})
+            sender.send("x", 10, payload(), dataclasses.replace(receiver.receiver_info(), address="tcp://127.0.0.1:9"))
         # the listener is still fine
         receiver.expect("ok", 3)
         kv = payload(seed=1)
         sender.send("ok", 10, kv, receiver.receiver_info())
-        assert torch.equal(receiver.receive("ok", {}), kv)
+        assert torch.equal(receiver.receive("ok", Receipt()), kv)
     finally:
         sender.close()
 
@@ -107,20 +110,20 @@ def _wire_header(rid: str, kv: torch.Tensor):
 def test_the_checksum_trails_the_payload_and_is_checked(receiver):
     """A payload is kept only with its own trailer: a wrong one fails the transfer, a missing
     one times out, a stray one is refused; the listener serves on after each."""
-    address = receiver.receiver_info()["address"]
+    address = receiver.receiver_info().address
     kv = payload(seed=2)
     head, body, good = _wire_header("wrong", kv)
     receiver.expect("wrong", 3)
     assert raw_send(address, [MAGIC, head, body])["ok"] is True
     assert raw_send(address, [TRAILER, encode_trailer("wrong", good ^ 1)])["ok"] is True
     with pytest.raises(KVIntegrityError):
-        receiver.receive("wrong", {}, timeout_s=2.0)
+        receiver.receive("wrong", Receipt(), timeout_s=2.0)
 
     head, body, good = _wire_header("lost", kv)
     receiver.expect("lost", 3)
     assert raw_send(address, [MAGIC, head, body])["ok"] is True
     with pytest.raises(KVTimeoutError, match="checksum"):  # the sender died before its trailer
-        receiver.receive("lost", {}, timeout_s=1.0)
+        receiver.receive("lost", Receipt(), timeout_s=1.0)
     late = raw_send(address, [TRAILER, encode_trailer("lost", good)])  # after receive gave up
     stray = raw_send(address, [TRAILER, encode_trailer("nobody", good)])
     assert late["ok"] is False and stray["ok"] is False
@@ -132,13 +135,13 @@ def test_the_checksum_trails_the_payload_and_is_checked(receiver):
     reply = raw_send(address, [MAGIC, header.encode(), bytes(view)])
     assert reply["ok"] is False and "after the payload" in reply["error"]
     with pytest.raises(KVFrameError):
-        receiver.receive("leading", {}, timeout_s=1.0)
+        receiver.receive("leading", Receipt(), timeout_s=1.0)
 
     sender = TcpConnector(LAYOUT, timeout_s=3.0, listen=False)
     try:
         receiver.expect("ok", 3)
         sender.send("ok", 10, kv, receiver.receiver_info())
-        assert torch.equal(receiver.receive("ok", {}), kv)
+        assert torch.equal(receiver.receive("ok", Receipt()), kv)
     finally:
         sender.close()
     assert receiver._mailbox.pending() == 0 and receiver._sums.pending() == 0
@@ -147,7 +150,7 @@ def test_the_checksum_trails_the_payload_and_is_checked(receiver):
 
 def test_a_sender_that_fails_between_payload_and_trailer_starts_afresh(receiver):
     """Replies still owed for the broken transfer must never be read as a later one's."""
-    address = receiver.receiver_info()["address"]
+    address = receiver.receiver_info().address
     kv = payload(seed=3)
     sender = TcpConnector(LAYOUT, timeout_s=3.0, listen=False)
     try:
@@ -159,7 +162,7 @@ def test_a_sender_that_fails_between_payload_and_trailer_starts_afresh(receiver)
 
         receiver.expect("next", 3)
         sender.send("next", 10, kv, receiver.receiver_info())
-        assert torch.equal(receiver.receive("next", {}), kv)
+        assert torch.equal(receiver.receive("next", Receipt()), kv)
         head, body, good = _wire_header("last", kv)
         receiver.expect("last", 3)
         with pytest.raises(KVFrameError, match="awaits a checksum"):  # its own verdict, not a stale one

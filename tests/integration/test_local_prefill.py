@@ -67,7 +67,7 @@ def test_only_prompts_with_few_uncached_tokens_skip_the_prefill_pool(pools):
              # the next turn: the first 48 tokens are cached on decode now, 22 are left
              ("next-turn", long_prompt + [201, 202, 203, 204, 205, 206, 207, 208, 209, 210],
               "short: prefilled here (22 uncached tokens)")]
-    sent = pools["prefill"].worker.counters
+    sent = pools["prefill"].exporter.counters
     for name, prompt, kv in cases:
         before = sent["acked"]
         tokens, trace = generate(pools, name, prompt)
@@ -100,7 +100,7 @@ def test_with_a_time_budget_a_prompt_is_prefilled_here_when_its_uncached_tokens_
              ("long", long_prompt, "landed"),  # 60 tokens: ~60 ms > 30
              ("next-turn", long_prompt + [201, 202, 203, 204, 205, 206, 207, 208, 209, 210],
               "budget: prefilled here (22 uncached tokens, ~22 ms)")]  # 48 of its 70 cached here
-    sent = budget_pools["prefill"].worker.counters
+    sent = budget_pools["prefill"].exporter.counters
     try:
         engine.step_cost = FixedCost(0.001)  # 1 ms a token
         for name, prompt, kv in cases:

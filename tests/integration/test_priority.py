@@ -6,6 +6,7 @@ request's priority under the default first-come policy is refused, not silently 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -58,23 +59,39 @@ def test_colocated_a_later_request_with_a_lower_value_goes_first(pools):
     assert run(pools["colocated_server"].stats())["blocks_in_use"] == 0
 
 
-def test_disaggregated_the_prefill_replica_takes_the_lowest_value_next(pools):
+def test_disaggregated_the_prefill_replica_takes_the_lowest_value_next_and_a_cancelled_one_leaves(pools):
+    """The prefill engine is held busy while four prompts queue there (5, 5, -3, then 0, whose
+    caller goes away while it waits): they run -3 first, then the two 5s as they came; the
+    cancelled one never runs and holds nothing."""
     prefill, prefilled = pools["prefill"], pools["prefilled"]
 
     async def go():
-        async with prefill.turns.turn():  # the replica is busy while three requests arrive
-            tasks = []
-            for i, priority in enumerate((5, 5, -3)):
-                tasks.append(asyncio.create_task(pools["disagg"].chat(chat(priority=priority, **SHORT))))
-                while prefill.turns.waiting <= i:  # in line before the next one is sent
-                    await asyncio.sleep(0.01)
-            prefilled.clear()
-        replies = await asyncio.gather(*tasks)
+        gate = threading.Event()
+        busy = asyncio.ensure_future(prefill.engine.call(gate.wait))  # the engine thread is taken
+        tasks = []
+        for priority in (5, 5, -3, 0):
+            tasks.append(asyncio.create_task(pools["disagg"].chat(chat(priority=priority, **SHORT))))
+            while len(prefill.queued) < len(tasks):  # queued there in this order
+                await asyncio.sleep(0.005)
+        tasks[3].cancel()
+        while len(prefill.queued) > 3:
+            await asyncio.sleep(0.005)
+        for _ in range(20):  # its abort reaches the engine's command queue (a few loop turns)
+            await asyncio.sleep(0)
+        prefilled.clear()
+        gate.set()
+        await busy
+        replies = await asyncio.gather(*tasks[:3])
+        await asyncio.gather(tasks[3], return_exceptions=True)
         return [r["id"] for r in replies], list(prefilled), await pools["decode"].stats(), await prefill.stats()
 
+    before = run(prefill.stats())
     ids, order, dstats, pstats = run(go())
     assert order == [f"{ids[2]}-0", f"{ids[0]}-0", f"{ids[1]}-0"]  # -3 first, then the two 5s as they came
+    assert pstats.get("cancelled", 0) - before.get("cancelled", 0) == 1
+    assert pstats["steps"] - before["steps"] == 3  # one prompt a step (max_num_seqs 1): the cancelled one never ran
     assert dstats["blocks_in_use"] == 0 and pstats["blocks_in_use"] == 0 and pstats["leases"] == 0
+    assert pstats["num_waiting"] == 0 and pstats["num_held"] == 0
 
 
 def test_priority_needs_the_priority_policy(stack):

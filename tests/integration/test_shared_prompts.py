@@ -16,7 +16,7 @@ def test_n_samples_of_one_prompt_send_its_kv_once_and_hold_it_once(stack):
                 messages=[{"role": "user", "content": f"Repeat after me: {words}"}])
     prompt_len = len(stack["disagg"].prepare("chat", body).children[0].prompt_ids)
     bs = decode.engine.engine.blocks.block_size
-    before = dict(decode.connector.stats()), decode.worker.counters["kv_reused_blocks"]
+    before = dict(decode.connector.stats()), decode.importer.counters["kv_reused_blocks"]
     colocated_blocks = stack["colocated_server"].engine.engine.blocks
     hits = colocated_blocks.prefix_hits
 
@@ -28,7 +28,7 @@ def test_n_samples_of_one_prompt_send_its_kv_once_and_hold_it_once(stack):
     block_bytes = decode.engine.engine.kv_layout().block_bytes
     full = (prompt_len - 1) // bs  # the blocks a sibling shares (the last one is always sent)
     assert full >= 5
-    assert decode.worker.counters["kv_reused_blocks"] - before[1] == 3 * full
+    assert decode.importer.counters["kv_reused_blocks"] - before[1] == 3 * full
     sent = decode.connector.stats()["received_bytes"] - before[0].get("received_bytes", 0)
     assert sent == (-(-prompt_len // bs) + 3 * (-(-prompt_len // bs) - full)) * block_bytes
     assert decode.engine.engine.blocks.num_used_blocks == 0

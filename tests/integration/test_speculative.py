@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 import torch
 
-from cluster import LLM, SamplingParams
+from cluster import LLM, SamplingParams, StructuredOutput
 from cluster.engine import sampler
 from cluster.engine.spec.base import Proposer
 
@@ -38,7 +38,7 @@ def requests(llm: LLM) -> tuple[list[list[int]], list[SamplingParams]]:
     return ([p[0], p[1], p[2], p[3], p[0], p[1]], [
         dataclasses.replace(GREEDY, logprobs=3),  # logprobs: the same values
         dataclasses.replace(GREEDY, stop=["Paris"], include_stop_str_in_output=True),
-        dataclasses.replace(GREEDY, json_schema=SCHEMA, max_tokens=40),
+        dataclasses.replace(GREEDY, structured=StructuredOutput("json_schema", SCHEMA), max_tokens=40),
         dataclasses.replace(GREEDY, max_tokens=29, min_tokens=29, ignore_eos=True),  # cut inside a run
         SamplingParams(temperature=0.8, top_p=0.95, seed=11, n=2, max_tokens=32),  # seeded: same tokens
         SamplingParams(temperature=1.0, top_k=20, presence_penalty=0.5, seed=5, max_tokens=24),
@@ -128,6 +128,28 @@ def test_preempted_speculating_requests_recompute_to_the_same_tokens(tiny_model_
     stats = llm.engine.stats()
     assert stats["num_preemptions"] > 0 and stats["spec_num_draft_tokens"] > 0
     assert stats["blocks_in_use"] == 0
+
+
+def test_constrained_replies_stay_exact_with_speculation_chunked_prefill_and_preemption(tiny_model_paths):
+    """Each constrained row is masked from the state its drafts lead to, a preempted request's
+    constraint stays where its output is, and prompts prefilled in chunks sample only at the end."""
+    import re
+
+    folder = str(tiny_model_paths["llama"])
+    prompts = [[100 + 7 * i + j for j in range(10)] * 2 for i in range(6)]  # repeats: ngram drafts
+    pattern = "[a-z]+( [a-z]+)*"  # unambiguous: xgrammar takes ~0.1 s per mask on an ambiguous one, ([a-z]+ ?)+
+    specs = [StructuredOutput("regex", pattern), StructuredOutput("json_object"), None]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, structured=specs[i % 3]) for i in range(6)]
+    plain = LLM(folder)
+    alone = [plain.generate([p], [q])[0] for p, q in zip(prompts[:3], params[:3])]  # one at a time
+    engine = {"num_blocks": 20, "block_size": 8, "max_num_batched_tokens": 12}
+    llm = LLM(folder, **engine, speculative_config={"method": "ngram", "adaptive": False, "prompt_lookup_min": 1})
+    outs = llm.generate(prompts, params)
+    assert replies(outs[:3]) == replies(alone)
+    for i in (0, 3):
+        assert re.fullmatch(pattern, outs[i].outputs[0].text), outs[i].outputs[0].text
+    stats = llm.engine.stats()
+    assert stats["num_preemptions"] > 0 and stats["spec_num_draft_tokens"] > 0 and stats["blocks_in_use"] == 0
 
 
 def test_prompt_logprobs_are_unchanged_with_speculation(tiny_model_paths):

@@ -42,11 +42,13 @@ def test_json_schema_across_the_hand_off_equals_colocated_and_is_a_value_of_the_
     jsonschema.validate(json.loads(disagg["message"]["content"]), schema)
     assert disagg["finish_reason"] == "stop" and disagg["message"]["content"].endswith("}")
 
+    # a keyword xgrammar would silently not enforce is refused by name (pattern is enforced now:
+    # test_json_schema_pattern_minimum_and_format_hold_every_reply)
     refused = {**body, "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {
-        "type": "object", "properties": {"s": {"type": "string", "pattern": "^a+$"}}}}}}
+        "type": "object", "properties": {"s": {"type": "array", "uniqueItems": True}}}}}}
     with pytest.raises(APIError) as info:
         run(stack["disagg"].chat(refused))
-    assert info.value.status == 400 and "'pattern' is not supported" in info.value.message
+    assert info.value.status == 400 and "'uniqueItems' is not supported" in info.value.message
 
 
 def test_tools_with_tool_choice_none_and_text_response_format_are_plain_requests(stack):
@@ -130,7 +132,7 @@ def test_a_template_that_writes_tools_gets_them_and_earlier_calls_as_objects(tin
     prompt = tok.decode(p.children[0].prompt_ids)
     assert prompt.startswith(f"TOOL f {json.dumps(F_PARAMS)}|TOOL g ")
     assert prompt.endswith("|user: n?|assistant:  CALL f 7|tool: done FOR c1|") and "You can call" not in prompt
-    assert json.loads(p.params.json_schema)["type"] == "array"
+    assert p.params.structured.kind == "json_schema" and json.loads(p.params.structured.spec)["type"] == "array"
 
 
 def test_regex_and_choice_across_the_hand_off_equal_colocated_and_match_streamed_or_not(stack):
@@ -160,11 +162,19 @@ def test_regex_and_choice_across_the_hand_off_equal_colocated_and_match_streamed
 
 
 @pytest.mark.parametrize("extra, param, says", [
-    ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs", "grammar is not supported"),
-    ({"structured_outputs": {"regex": r"(a)\1"}}, "structured_outputs", "backreferences are not supported at position 3"),
+    ({"structured_outputs": {"json_object": True, "whitespace_pattern": " "}}, "structured_outputs",
+     "whitespace_pattern is not supported"),
+    ({"structured_outputs": {"regex": r"(a)\1"}}, "structured_outputs", "backreferences are not supported"),
+    ({"structured_outputs": {"regex": "[ab"}}, "structured_outputs", "does not parse: unterminated character set"),
+    ({"structured_outputs": {"json": {"type": "object", "properties": {"a": {"not": {}}}}}}, "structured_outputs",
+     "'not' is not supported"),
+    ({"structured_outputs": {"json": {"type": "string", "format": "binary"}}}, "structured_outputs",
+     "format 'binary' is not supported"),
+    ({"guided_grammar": 7}, "guided_grammar", "valid string"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one of"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", "at least 1 item"),
-    ({"structured_outputs": {"json": {"type": "string"}}}, "structured_outputs", "root must be an object"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "string"}}}},
+     "response_format", "root must be an object"),  # OpenAI's rule; structured_outputs.json takes any root
     ({"guided_regex": "a", "structured_outputs": {"regex": "b"}}, "guided_regex", "exclude each other"),
     ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs",
      "exclude each other"),
@@ -192,3 +202,65 @@ def test_structured_outputs_json_is_a_json_schema_and_json_object_json_mode(stac
     as_schema, as_text, as_format, as_object, as_object_format = run(go())
     assert as_schema == as_text == as_format and isinstance(json.loads(as_schema)["ok"], bool)
     assert as_object == as_object_format and as_object.startswith("{")
+
+
+def test_json_schema_pattern_minimum_and_format_hold_every_reply(stack):
+    """Keywords the hand-written recognizer refused, now enforced: every reply, greedy or sampled,
+    across the hand-off or colocated, is a value of the schema (checked by jsonschema and re)."""
+    import re
+
+    import jsonschema
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["code", "n", "x", "day"],
+              "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
+                             "n": {"type": "integer", "minimum": 100, "maximum": 120},
+                             "x": {"type": "number", "exclusiveMinimum": 0.5, "maximum": 2},
+                             "day": {"type": "string", "format": "date"}}}
+    greedy = chat(temperature=0, max_tokens=120, structured_outputs={"json": schema})
+    sampled = chat(temperature=1.0, seed=11, n=3, max_tokens=120,
+                   response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+
+    async def go():
+        return ([(await stack[name].chat(greedy))["choices"][0] for name in ("disagg", "colocated")],
+                (await stack["disagg"].chat(sampled))["choices"])
+
+    (disagg, colocated), many = run(go())
+    assert disagg["message"]["content"] == colocated["message"]["content"]
+    for choice in [disagg, *many]:
+        value = json.loads(choice["message"]["content"])
+        jsonschema.validate(value, schema)
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", value["day"]) and choice["finish_reason"] == "stop"
+
+
+def test_an_ebnf_grammar_holds_the_reply_across_the_hand_off_and_a_bad_one_is_refused(stack):
+    import re
+
+    grammar = 'root ::= ("yes" | "no") ", " [0-9]{1,3} ("!" | "")'
+    same = r"(yes|no), [0-9]{1,3}!?"  # the grammar's language, as a Python regex
+    bodies = [chat(temperature=0, max_tokens=24, structured_outputs={"grammar": grammar}),
+              chat(temperature=1.0, seed=2, n=3, max_tokens=24, guided_grammar=grammar)]
+
+    async def go():
+        return ([(await stack[name].chat(bodies[0]))["choices"][0] for name in ("disagg", "colocated")],
+                (await stack["disagg"].chat(bodies[1]))["choices"])
+
+    (disagg, colocated), many = run(go())
+    assert disagg["message"]["content"] == colocated["message"]["content"]
+    for choice in [disagg, *many]:
+        assert re.fullmatch(same, choice["message"]["content"]), choice["message"]["content"]
+    with pytest.raises(ValueError, match="the grammar does not compile: .*not defined"):  # the engine's: a 400 over HTTP
+        run(stack["disagg"].chat(chat(max_tokens=4, structured_outputs={"grammar": "root ::= undefined_rule"})))
+
+
+def test_a_structural_tag_holds_only_the_tagged_part(stack):
+    import jsonschema
+
+    inner = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "const_string", "value": "Answer: "},
+        {"type": "tag", "begin": "<n>", "content": {"type": "json_schema", "json_schema": inner, "max_whitespace_cnt": 1},
+         "end": "</n>"}]}}
+    body = chat(temperature=0, max_tokens=40, structured_outputs={"structural_tag": tag})
+    text = run(stack["disagg"].chat(body))["choices"][0]["message"]["content"]
+    assert text.startswith("Answer: <n>") and text.endswith("</n>"), text
+    jsonschema.validate(json.loads(text[len("Answer: <n>"):-len("</n>")]), inner)

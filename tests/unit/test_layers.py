@@ -16,17 +16,18 @@ CLUSTER = Path(__file__).resolve().parents[2] / "cluster"
 # Lowest first. A module may import its own layer and those below it. Patterns are fnmatch'ed
 # against dotted module names; every module under cluster/ must match exactly one layer.
 LAYERS: list[tuple[str, list[str]]] = [
-    ("plain values", ["cluster.config", "cluster.metrics", "cluster.sampling_params"]),
+    ("plain values", ["cluster.config", "cluster.metrics", "cluster.sampling_params", "cluster.structured_output"]),
     ("models", ["cluster.models", "cluster.models.*"]),
     ("engine", ["cluster.engine", "cluster.engine.*"]),
-    ("kv transfer: errors and wire format", ["cluster.kvtransfer", "cluster.kvtransfer.errors",
-                                             "cluster.kvtransfer.wire", "cluster.kvtransfer.mailbox",
-                                             "cluster.kvtransfer.rendezvous"]),
+    ("kv transfer: errors, wire format, hand-off types", ["cluster.kvtransfer", "cluster.kvtransfer.errors",
+                                                         "cluster.kvtransfer.handoff", "cluster.kvtransfer.wire",
+                                                         "cluster.kvtransfer.mailbox",
+                                                         "cluster.kvtransfer.rendezvous"]),
     ("kv transfer: the connector contract", ["cluster.kvtransfer.base"]),
     ("kv transfer: connectors", ["cluster.kvtransfer.shared_store", "cluster.kvtransfer.tcp",
                                  "cluster.kvtransfer.collective"]),
     ("kv transfer: the connector registry", ["cluster.kvtransfer.connectors"]),
-    ("shared by the pools and the router", ["cluster.handoff", "cluster.cache_report", "cluster.stats_board",
+    ("shared by the pools and the router", ["cluster.cache_report", "cluster.stats_board",
                                             "cluster.autoscaling", "cluster.pool_replica"]),
     ("pools", ["cluster.prefill", "cluster.prefill.*", "cluster.decode", "cluster.decode.*"]),
     ("router", ["cluster.router", "cluster.router.*"]),
@@ -37,19 +38,6 @@ LAYERS: list[tuple[str, list[str]]] = [
 
 # Within a layer, these sit side by side: neither imports the other (what both need lives below).
 PEERS = [("cluster.prefill", "cluster.decode")]
-
-# Edges known to break the rules today, each removed by another branch of issue 31. Delete an
-# entry (then this dict) once its branch is merged: a stale entry fails the test.
-KNOWN: dict[tuple[str, str], str] = {
-    ("cluster.engine.engine", "cluster.kvtransfer.wire"): "issue 31: the hand-off rework (engine no longer "
-                                                          "builds wire layouts)",
-    ("cluster.sampling_params", "cluster.engine.regex"): "issue 31: structured output on xgrammar",
-    ("cluster.sampling_params", "cluster.engine.schema_compiler"): "issue 31: structured output on xgrammar",
-    ("cluster.decode.deployment", "cluster.prefill.worker"): "issue 31: PrefillHandoff in the shared hand-off module",
-    ("cluster.decode.server", "cluster.prefill.worker"): "issue 31: PrefillHandoff in the shared hand-off module",
-    ("cluster.decode.worker", "cluster.prefill.worker"): "issue 31: PrefillHandoff in the shared hand-off module",
-}
-
 
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(CLUSTER.parent).with_suffix("").parts)
@@ -177,14 +165,7 @@ def test_no_import_circle():
 
 def test_imports_point_down_the_layers():
     bad = bad_edges(import_graph())
-    unexpected = {edge: why for edge, why in bad.items() if edge not in KNOWN}
-    assert not unexpected, "imports against the layers:\n" + describe(unexpected)
-
-
-def test_the_known_exceptions_still_exist():
-    """An entry of KNOWN whose edge is gone (its branch merged) must leave the list."""
-    stale = set(KNOWN) - set(bad_edges(import_graph()))
-    assert not stale, "no longer needed in KNOWN (delete them):\n" + describe({e: KNOWN[e] for e in stale})
+    assert not bad, "imports against the layers:\n" + describe(bad)
 
 
 def layer_report() -> str:

@@ -21,11 +21,10 @@ ENTRY_POINTS = ["cluster.cli", "cluster.serve_config", "cluster.router.app", "cl
 
 # Third-party packages that import torch themselves, and the modules of ours allowed to load
 # them in a router: transformers is the router's tokenizer and chat template (no torch-free
-# tokenizer yet); xgrammar compiles structured-output grammars (issue 31 moves structured
-# output onto it, through router/structured.py).
-TORCH_BRINGERS = {"transformers": {"cluster.engine.tokenizer"},
-                  "xgrammar": {"cluster.router.structured", "cluster.router.tools", "cluster.router.protocol",
-                               "cluster.engine.tokenizer"}}
+# tokenizer yet); xgrammar compiles grammars in the engine only (the router's structured-output
+# checks are plain Python, cluster/structured_output.py).
+TORCH_BRINGERS = {"transformers": {"cluster.engine.tokenizer"}, "xgrammar": set()}
+
 
 PROBE = r"""
 import builtins, json, sys

@@ -9,6 +9,7 @@ import asyncio
 from cluster.engine.outputs import TokenDelta
 from cluster.router.migration import migrating
 from cluster.sampling_params import SamplingParams
+from cluster.structured_output import StructuredOutput
 
 
 class Lost(Exception):
@@ -28,7 +29,7 @@ def test_the_next_replica_continues_after_the_tokens_sent_with_json_mode_told_so
         yield [TokenDelta('": 1}', [13], finish_reason="stop")]
 
     async def go():
-        params = SamplingParams(max_tokens=8, min_tokens=4, json_object=True, prompt_logprobs=1)
+        params = SamplingParams(max_tokens=8, min_tokens=4, structured=StructuredOutput("json_object"), prompt_logprobs=1)
         return [d async for ds in migrating(start, "r", [1, 2], params, max_migrations=1,
                                             is_lost=lambda e: isinstance(e, Lost)) for d in ds]
 
@@ -37,4 +38,4 @@ def test_the_next_replica_continues_after_the_tokens_sent_with_json_mode_told_so
     rid, prompt, params = calls[1]
     assert rid == "r-m1" and prompt == [1, 2, 10, 11, 12]
     assert (params.max_tokens, params.min_tokens, params.prior_output_tokens) == (5, 1, 3)
-    assert params.json_object and params.prompt_logprobs is None and calls[0][2].prompt_logprobs == 1
+    assert params.structured == StructuredOutput("json_object") and params.prompt_logprobs is None and calls[0][2].prompt_logprobs == 1

@@ -12,12 +12,11 @@ what came of it (plain values, no torch).
 A decode chunk drafts when its request is running with its next token known, is not scoring
 its prompt, and has room left (max_tokens, max_model_len). Drafts never preempt anyone: when
 the blocks they need are not free, or the step's token budget is spent, the chunk runs without.
-A JSON / regex constrained request's draft ends at the first token its constraint refuses.
+A constrained (structured output) request's draft ends at the first token its constraint refuses.
 """
 
 from __future__ import annotations
 
-import copy
 import time
 from collections import Counter
 from typing import Any, Sequence
@@ -116,13 +115,7 @@ class Speculator:
         """A constrained request's draft, cut at the first token its constraint refuses."""
         if req.constraint is None or not draft:
             return draft
-        probe, out = copy.copy(req.constraint), req.output_token_ids
-        probe.sync(out)
-        for i, token in enumerate(draft):
-            if not probe.allows(token):
-                return draft[:i]
-            probe.sync(out + draft[:i + 1])  # feeds the one new token
-        return draft
+        return draft[:req.constraint.accepted_prefix(req.output_token_ids, draft)]
 
     @staticmethod
     def _cap(lengths: Sequence[int], budget: int) -> list[int]:

@@ -1,4 +1,6 @@
-"""The decode side of a hand-off, as a plain object (the Ray deployment is a thin shell).
+"""The decode half of the hand-off (cluster/kvtransfer/handoff.py): reserve R's blocks, fetch its
+prompt KV, start decoding it. A plain object driven by DecodeServer (decode/server.py); every
+method but `fetch` runs on the engine thread.
 
     reserve(R, prompt, params)  → engine allocates R's destination blocks (after the prompt's
                                   prefix its cache already holds), connector expects R
@@ -12,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from typing import Any, Sequence
 
@@ -20,14 +23,12 @@ import torch
 from cluster.engine.engine import LLMEngine
 from cluster.kvtransfer.base import KVConnector
 from cluster.kvtransfer.errors import KVTransferError
+from cluster.kvtransfer.handoff import FAILURE_POLICIES, PrefillHandoff, Receiver
 from cluster.engine.outputs import RequestOutput
-from cluster.prefill.worker import PrefillHandoff
 from cluster.sampling_params import SamplingParams
 
-FAILURE_POLICIES = ("recompute", "fail")
 
-
-class DecodeWorker:
+class KVImporter:
     def __init__(self, engine: LLMEngine, connector: KVConnector, kv_load_failure_policy: str = "recompute",
                  timeout_s: float | None = None) -> None:
         if kv_load_failure_policy not in FAILURE_POLICIES:
@@ -40,7 +41,7 @@ class DecodeWorker:
         self.counters: Counter[str] = Counter()
 
     def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
-                params: SamplingParams) -> dict[str, Any] | None:
+                params: SamplingParams) -> Receiver | None:
         blocks = self.engine.admit_remote(request_id, prompt_token_ids, params)
         if blocks is None:
             return None
@@ -49,7 +50,7 @@ class DecodeWorker:
         if cached:
             self.counters["kv_reused_blocks"] += cached
         # the sender skips the leading blocks this side's prefix cache already holds
-        return {**self.connector.receiver_info(), "cached_blocks": cached}
+        return dataclasses.replace(self.connector.receiver_info(), cached_blocks=cached)
 
     def fetch(self, request_id: str, handoff: PrefillHandoff) -> torch.Tensor:
         """Wait for R's verified KV (touches no engine state: may run off the engine thread)."""
