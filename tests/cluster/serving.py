@@ -86,14 +86,12 @@ def fetch_stats(url: str, headers: dict[str, str] | None = None) -> list[dict[st
 POOL_DEPLOYMENTS = {"prefill": "PrefillPool", "decode": "DecodePool"}
 
 
-def replica_stats(url: str, settle_s: float | None = None, headers: dict[str, str] | None = None,
-                  timeout_s: float = 10.0) -> list[dict[str, Any]]:
+def replica_stats(url: str, headers: dict[str, str] | None = None, timeout_s: float = 10.0) -> list[dict[str, Any]]:
     """Every pool replica's counters as posted after this call began, once there are as many
     as Serve runs: replicas post every 0.5 s (stats_board.PERIOD_S), so this waits about that
     long; one that is gone stops posting and leaves the board after its staleness window
     (STALE_S, 5 s); one just started posts once Serve has checked its health. Past
-    `timeout_s`, the last read. (`settle_s` is ignored: every read is fresh. It stays for
-    callers not yet moved off it.)"""
+    `timeout_s`, the last read."""
     since = time.time()
     deadline = time.monotonic() + timeout_s
     while True:

@@ -59,7 +59,7 @@ def texts(messages: list[pb.GenerateResponse]) -> dict[int, str]:
 
 
 def stats(url: str) -> dict[str, dict]:
-    return {s["pool"]: s for s in replica_stats(url, settle_s=0.6, headers=HEADERS)}
+    return {s["pool"]: s for s in replica_stats(url, headers=HEADERS)}
 
 
 def test_generate_streams_what_http_answers_and_is_traced(cluster):
