@@ -39,9 +39,12 @@ class RequestStream:
         self.items: list[RequestOutput] = []
         self.error: BaseException | None = None
         self.finished = False
+        self.outcome: Any = None  # what add_request's `on_finish` returned for R's last output
         self._ready = asyncio.Event()
 
-    def put(self, out: RequestOutput) -> None:  # on the loop
+    def put(self, out: RequestOutput, outcome: Any = None) -> None:  # on the loop
+        if outcome is not None:
+            self.outcome = outcome
         self.items.append(out)
         self.finished = self.finished or out.finished
         self._ready.set()
@@ -82,6 +85,7 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue[tuple[Callable[..., Any], tuple, asyncio.Future,
                                                 asyncio.AbstractEventLoop, bool]] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
+        self._on_finish: dict[str, Callable[[RequestOutput], Any]] = {}  # engine thread only
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
@@ -95,26 +99,42 @@ class AsyncEngine:
         `deliver`: a `RequestOutput` that fn returns also goes to its request's stream, from the
         engine thread, so it stays ahead of what the next steps produce (the caller resuming
         after the await would come after them)."""
+        return await self.submit(fn, *args, deliver=deliver)
+
+    def submit(self, fn: Callable[..., T], *args: Any, deliver: bool = False) -> asyncio.Future:
+        """`call` without waiting: fn(*args) is queued now, and runs after every command queued
+        before it and before every one queued after it; the future settles with its result."""
         if self._stop.is_set():
             raise RuntimeError("the engine is shut down")
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         self._commands.put((fn, args, fut, loop, deliver))
         self._wake.set()
-        return await fut
+        return fut
 
     async def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                          prefill_only: bool = False) -> None:
+                          prefill_only: bool = False,
+                          on_finish: Callable[[RequestOutput], Any] | None = None) -> None:
         """R joins the engine's queue (open its stream first). `prefill_only`: R finishes once its
-        prompt is computed and its first token sampled, its blocks held for the hand-off."""
-        await self.call(self._add, request_id, list(prompt_token_ids), params, prefill_only)
+        prompt is computed and its first token sampled, its blocks held for the hand-off.
+        `on_finish(out)` runs on the engine thread right after the step that finished R, before
+        the next one (a prefill replica packs R's KV there); what it returns is the stream's
+        `outcome`, and what it raises fails the stream."""
+        await self.call(self._add, request_id, list(prompt_token_ids), params, prefill_only, on_finish)
 
-    def _add(self, request_id: str, prompt: list[int], params: SamplingParams, prefill_only: bool) -> None:
+    def _add(self, request_id: str, prompt: list[int], params: SamplingParams, prefill_only: bool,
+             on_finish: Callable[[RequestOutput], Any] | None) -> None:
         self.engine.add_request(request_id, prompt, params, prefill_only)
+        if on_finish is not None:
+            self._on_finish[request_id] = on_finish
 
     async def abort(self, request_id: str) -> bool:
         """Stop R wherever it is (queued, running, or holding blocks for a hand-off); free its blocks."""
-        return await self.call(self.engine.abort_request, request_id)
+        return await self.call(self._abort, request_id)
+
+    def _abort(self, request_id: str) -> bool:
+        self._on_finish.pop(request_id, None)
+        return self.engine.abort_request(request_id)
 
     async def stats(self) -> dict[str, Any]:
         return await self.call(self.engine.stats)
@@ -215,15 +235,23 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_settle, fut, result, None)
 
     def _deliver(self, outs: list[RequestOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput, Any, BaseException | None]]] = {}
         for out in outs:
+            hook = self._on_finish.pop(out.request_id, None) if out.finished else None
+            outcome, error = None, None
+            if hook is not None:
+                try:
+                    outcome = hook(out)
+                except BaseException as exc:  # the stream fails with it; R's owner cleans up
+                    error = exc
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                by_loop.setdefault(stream.loop, []).append((stream, out))
-        for loop, pairs in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, pairs)
+                by_loop.setdefault(stream.loop, []).append((stream, out, outcome, error))
+        for loop, entries in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, entries)
 
     def _fail_all(self, exc: BaseException) -> None:
+        self._on_finish.clear()
         for rid, stream in list(self._streams.items()):
             if not stream.finished:
                 self.engine.abort_request(rid)
@@ -239,6 +267,9 @@ def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None
         fut.set_result(result)
 
 
-def _put_all(pairs: list[tuple[RequestStream, RequestOutput]]) -> None:
-    for stream, out in pairs:
-        stream.put(out)
+def _put_all(entries: list[tuple[RequestStream, RequestOutput, Any, BaseException | None]]) -> None:
+    for stream, out, outcome, error in entries:
+        if error is not None:
+            stream.fail(error)
+        else:
+            stream.put(out, outcome)

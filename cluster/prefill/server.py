@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 from typing import Any, Sequence
 
@@ -20,7 +21,6 @@ from cluster.cache_report import cache_report
 from cluster.config import AppConfig
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import LLMEngine
-from cluster.engine.outputs import RequestOutput
 from cluster.kvtransfer.connectors import create_connector
 from cluster.kvtransfer.handoff import PrefillHandoff, Receiver
 from cluster.prefill.exporter import KVExporter, PackedKV
@@ -54,12 +54,14 @@ class PrefillServer:
         stream = self.engine.open(request_id)
         cancelled = False
         try:
-            await self.engine.add_request(request_id, prompt, params, prefill_only=True)
-            out: RequestOutput | None = None
-            async for outs in stream:  # one output: the first token, once the prompt is computed
-                out = outs[-1]
-            assert out is not None
-            packed = await self.engine.call(self.exporter.pack, out, receiver)
+            # R's KV is packed on the engine thread right after the step that computed its
+            # prompt's end: not a command queued behind the next step
+            await self.engine.add_request(request_id, prompt, params, prefill_only=True,
+                                          on_finish=functools.partial(self.exporter.pack, receiver=receiver))
+            async for _ in stream:  # one output: the first token, once the prompt is computed
+                pass
+            packed = stream.outcome
+            assert packed is not None
             if not isinstance(packed, PrefillHandoff):
                 handoff = await self._send(packed, receiver)
             else:  # the first token ended R: nothing to send
@@ -86,7 +88,9 @@ class PrefillServer:
         except BaseException:
             await self.engine.call(self.exporter.fail, rid)
             raise
-        await self.engine.call(self.exporter.lease, rid)
+        # queued, not awaited: the lease runs before any later command (the decode side's ack
+        # comes after this hand-off), and the hand-off need not wait out the step in progress
+        self.engine.submit(self.exporter.lease, rid)
         return handoff
 
     async def _close(self, request_id: str, cancelled: bool) -> None:
