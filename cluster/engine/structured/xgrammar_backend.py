@@ -9,7 +9,6 @@ MAX_WHITESPACE_RUN characters (a weak model could otherwise spend its tokens the
 
 from __future__ import annotations
 
-import collections
 import json
 import re
 from typing import Any
@@ -20,7 +19,7 @@ from cluster.engine.structured.base import Matcher, StructuredBackend
 from cluster.structured_output import StructuredOutput, StructuredOutputError
 
 MAX_WHITESPACE_RUN = 16
-CACHED_GRAMMARS = 64
+GRAMMAR_CACHE_BYTES = 256 << 20  # compiled grammars kept by xgrammar's own cache (evicted LRU)
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # "[03:22:10] /project/cpp/x.cc:83: "
 
 
@@ -48,24 +47,18 @@ class XGrammarBackend(StructuredBackend):
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=sorted(stop_token_ids) or None)
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True,
+                                             cache_limit_bytes=GRAMMAR_CACHE_BYTES)
         self.trailing_ids = frozenset(i for i, b in enumerate(info.decoded_vocab)
                                       if b and not b.strip(b" \t\n\r") and i not in stop_token_ids)
-        self._cache: collections.OrderedDict[StructuredOutput, xgr.CompiledGrammar] = collections.OrderedDict()
 
     def compile(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
-        grammar = self._cache.get(spec)
-        if grammar is None:
-            try:
-                grammar = self._compile(spec)
-            except (RuntimeError, ValueError, TypeError, KeyError, xgr.InvalidJSONError,
-                    xgr.InvalidStructuralTagError) as exc:
-                raise StructuredOutputError(f"the {spec.kind} does not compile: {_message(exc)}") from None
-            while len(self._cache) >= CACHED_GRAMMARS:
-                self._cache.popitem(last=False)
-        self._cache[spec] = grammar
-        self._cache.move_to_end(spec)
-        return grammar
+        """Compiled once per spec: xgrammar's compiler caches what it compiled."""
+        try:
+            return self._compile(spec)
+        except (RuntimeError, ValueError, TypeError, KeyError, xgr.InvalidJSONError,
+                xgr.InvalidStructuralTagError) as exc:
+            raise StructuredOutputError(f"the {spec.kind} does not compile: {_message(exc)}") from None
 
     def _compile(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
         c, kind = self._compiler, spec.kind
