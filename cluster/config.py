@@ -69,6 +69,7 @@ class CacheConfig:
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+PREFILL_SCHEDULES = ("fcfs", "ttft")
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,10 @@ class SchedulerConfig:
     chunk tokens); prompts longer than the budget are prefilled in chunks when
     `enable_chunked_prefill`, else they must fit in one step. `scheduling_policy`: "fcfs"
     (arrival order; a request's `priority` must be 0) or "priority" (vLLM's: lower `priority`
-    first, then arrival; engine/scheduler.py).
+    first, then arrival; engine/scheduler.py). `prefill_schedule`, for prefill-only prompts (the
+    prefill pool), within a priority: "ttft" (the earliest of arrival + own compute time first,
+    and no more prompts in a step than shortens the average time to first token) or "fcfs"
+    (arrival order, as many as the budget holds).
     """
 
     max_num_seqs: int = 64
@@ -87,8 +91,11 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     max_waiting: int = 4096
     scheduling_policy: str = "fcfs"
+    prefill_schedule: str = "ttft"
 
     def __post_init__(self) -> None:
+        if self.prefill_schedule not in PREFILL_SCHEDULES:
+            raise ValueError(f"prefill_schedule must be one of {PREFILL_SCHEDULES}, got {self.prefill_schedule!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if self.max_num_seqs < 1:

@@ -53,8 +53,8 @@ class LLMEngine:
         self.num_blocks = self.runner.num_blocks
         self.max_model_len = min(limit, self.num_blocks * bs)
         self.blocks = BlockManager(self.num_blocks, bs, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.blocks)
         self.step_cost = StepCost()  # seconds per token in a step, from this engine's own steps
+        self.scheduler = Scheduler(config.scheduler, self.blocks, self.step_cost)
         self.speculator = self._speculator(config)
         self.eos_token_ids = self.tokenizer.eos_token_ids
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -108,7 +108,7 @@ class LLMEngine:
         sizes = (1, max(2, min(tokens, self.config.scheduler.max_num_batched_tokens, self.max_model_len - 1)))
         for round_ in range(3):
             if round_ == 1:
-                self.step_cost = StepCost()  # the warm-up round paid first-call costs
+                self.step_cost.reset()  # the warm-up round paid first-call costs
             for n in sizes:
                 rid = f"calibrate-{round_}-{n}"
                 prompt = [(i * 31 + 7) % self.arch.vocab_size for i in range(n)]

@@ -15,6 +15,17 @@ that order, the waiting one ranked first is admitted next (and nothing behind it
 unless it waits for blocks being computed),
 and the victim of a preemption is the running request ranked last.
 
+`prefill_schedule: ttft` (default), for prefill-only prompts (a prefill replica's, where a step
+is what every prompt in it waits on for its first token), within a priority:
+- Order: the earliest `arrival + own compute time` first (the step cost's per-token fit times
+  the prompt's tokens). A short prompt passes a long one that came before it by less than the
+  long one's own compute time; a long one waits at most about that long behind later arrivals.
+- Batch size: a prompt joins the step while what it adds to the step, paid by each of the k
+  prompts already finishing in it (k x per_token x its tokens), is less than the fixed cost of
+  a step of its own. On a CPU, where a token costs much against the fixed part, that is a few
+  short prompts per step, each batch's first tokens out before the next batch starts; on a GPU,
+  every prompt the budget holds. Until the step cost is known, arrival order and the budget.
+
     engine.step():  plan = scheduler.schedule()     # which requests, how many tokens
                     sampled = runner.execute(plan)  # tensors live only there
                     scheduler.update(plan, sampled) # append tokens, finish, free blocks
@@ -29,6 +40,7 @@ from dataclasses import dataclass, field
 from cluster.config import SchedulerConfig
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.request import Request, RequestStatus
+from cluster.engine.step_cost import StepCost
 
 MAX_DEFERRED = 64  # waiting requests passed over in one step while their shared blocks compute
 
@@ -80,9 +92,11 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 step_cost: StepCost | None = None) -> None:
         self.config = config
         self.blocks = block_manager
+        self.step_cost = step_cost if step_cost is not None else StepCost()  # the engine's, fitted per step
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.remote: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV
@@ -90,6 +104,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.by_priority = config.scheduling_policy == "priority"
+        self.for_ttft = config.prefill_schedule == "ttft"
 
     # -- admission -----------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -166,7 +181,9 @@ class Scheduler:
             return
         computing = self._being_computed()
         deferred = 0
-        for req in sorted(self.waiting, key=_rank) if self.by_priority else list(self.waiting):
+        cost = self._prompt_cost()
+        finishing = sum(1 for c in plan.chunks if c.request.prefill_only and c.samples)
+        for req in self._admission_order(cost):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs or deferred > MAX_DEFERRED:
                 break
             cached = None if req.needs_prompt_logprobs else self.blocks.find_cached_prefix(req)  # None: no lookup
@@ -175,6 +192,8 @@ class Scheduler:
                 continue
             num_cached = len(cached or []) * self.blocks.block_size
             n = req.num_tokens - num_cached
+            if cost is not None and req.prefill_only and finishing and finishing * cost[1] * n > cost[0]:
+                break  # cheaper for the prompts in this step to go now, and this one next step
             if n > budget:
                 if not self.config.enable_chunked_prefill and plan.chunks:
                     break
@@ -189,8 +208,29 @@ class Scheduler:
             self.running.append(req)
             plan.chunks.append(ScheduledChunk(req, num_cached, n))
             budget -= n
+            finishing += req.prefill_only and n == req.num_tokens - num_cached
             if cached is not None:
                 computing.update(req.block_hashes[len(cached):])
+
+    def _prompt_cost(self) -> tuple[float, float] | None:
+        """(fixed, per_token) seconds of a step, for ordering and batching prefill-only prompts
+        under `prefill_schedule: ttft`; None: fcfs, or not measured yet."""
+        fixed, per_token = self.step_cost.fixed_s, self.step_cost.per_token_s
+        if not self.for_ttft or fixed is None or per_token is None:
+            return None
+        return fixed, per_token
+
+    def _admission_order(self, cost: tuple[float, float] | None) -> list[Request]:
+        """Waiting requests in the order they may be admitted: arrival (a preempted one first),
+        or by rank under priority; under ttft, prefill-only prompts by arrival + own compute time."""
+        if cost is None or not any(r.prefill_only for r in self.waiting):
+            return sorted(self.waiting, key=_rank) if self.by_priority else list(self.waiting)
+        per_token = cost[1]
+
+        def key(req: Request) -> tuple[int, float]:
+            own = per_token * (req.num_tokens - req.num_computed_tokens) if req.prefill_only else 0.0
+            return (req.params.priority if self.by_priority else 0), req.arrival_time + own
+        return sorted(self.waiting, key=key)
 
     def _being_computed(self) -> set[bytes]:
         """Hashes of the prompt blocks running requests have yet to compute."""

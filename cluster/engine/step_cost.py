@@ -29,6 +29,10 @@ class StepCost:
         if not 0.0 < decay < 1.0:
             raise ValueError(f"decay must be in (0, 1), got {decay}")
         self.decay = decay
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every step seen (in place: the scheduler and the speculator hold this object)."""
         self._w = self._x = self._y = self._xx = self._xy = 0.0
         self.per_token_s: float | None = None  # the fitted slope; None: not known yet
         self.fixed_s: float | None = None  # the fitted intercept, known with the slope

@@ -1,7 +1,9 @@
 """A prefill replica as a plain asyncio object over the same engine driver as decode
 (AsyncEngine): each prompt is a prefill-only request on the engine's queue, so the scheduler
-batches several prompts into one step (chunked, within `max_num_batched_tokens`) and, under
-`scheduling_policy: priority`, admits them by (priority, arrival). When R's prompt is computed,
+batches several prompts into one step (chunked, within `max_num_batched_tokens`): under
+`prefill_schedule: ttft` (default) the earliest arrival + own compute time first, and only as
+many per step as shortens the average time to first token, from the step cost this replica
+measures (engine/scheduler.py); under `scheduling_policy: priority`, by priority first. When R's prompt is computed,
 the exporter (prefill/exporter.py) packs its KV on the engine thread and sends it off it, then
 holds R's blocks under a lease; acks free them, a timer reaps expired leases.
 
@@ -31,6 +33,8 @@ class PrefillServer:
     def __init__(self, config: AppConfig, engine: LLMEngine | None = None) -> None:
         self.config = config
         engine = engine or LLMEngine(config.prefill_engine)
+        if config.prefill_engine.scheduler.prefill_schedule == "ttft":
+            engine.calibrate()  # what a step costs, fixed and per token, before the first burst
         kv = config.kv_transfer
         self.connector = create_connector(kv.connector, engine.kv_layout(), **kv.connector_options(role="prefill"))
         self.exporter = KVExporter(engine, self.connector, lease_s=kv.lease_s)
