@@ -79,7 +79,9 @@ def deployed(config_path: str, overrides: dict[str, Any] | None = None,
 
     config = load_yaml(ROOT / config_path)
     app = config["applications"][0]
-    app["args"] = {**app["args"], **(overrides or {})}
+    for key, value in (overrides or {}).items():  # a dict (engine, kv_transfer) is updated, not replaced
+        base = app["args"].get(key)
+        app["args"][key] = {**base, **value} if isinstance(base, dict) and isinstance(value, dict) else value
     for d in app["deployments"]:
         d.update((pools or {}).get(d["name"], {}))
     apply_serve_config(config)

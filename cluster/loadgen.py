@@ -32,13 +32,18 @@ class Workload:
     max_tokens: int = 64
     long_every: int = 0      # every k-th request carries a long prompt (0: none)
     long_words: int = 600
+    short_words: int = 0     # a short prompt carries this many words of its own (0: a one-line ask)
 
 
 WORKLOADS = {
     "single": Workload("single", num_requests=6, concurrency=1),
     "concurrent16": Workload("concurrent16", num_requests=32, concurrency=16),
     "mixed": Workload("mixed", num_requests=32, concurrency=16, long_every=4),
+    # ../shared/NOTES.md's peer table: 30-word chats, every 4th ~600 words, 6 at a time
+    "mixed_chat": Workload("mixed_chat", num_requests=24, concurrency=6, long_every=4, short_words=30),
 }
+
+DEFAULT_WORKLOADS = ("single", "concurrent16", "mixed")  # what a bench runs unless told
 
 _TOPICS = ("a lighthouse keeper", "the history of tea", "a robot learning to paint", "autumn in Kyoto",
            "how bridges carry load", "a chess match", "the water cycle", "a night market", "volcanoes",
@@ -58,6 +63,10 @@ def prompt_for(workload: Workload, i: int, salt: int = 0) -> str:
         rng = random.Random(f"{salt}:{i}")
         notes = " ".join(rng.choice(_WORDS) for _ in range(workload.long_words))
         return f"Here are my notes about {topic}: {notes}\nSummarize them in one paragraph."
+    if workload.short_words:
+        rng = random.Random(f"{salt}:{i}")
+        words = " ".join(rng.choice(_WORDS) for _ in range(workload.short_words))
+        return f"Write a short story about {topic} with these words: {words}"
     return f"Write a short story about {topic}."
 
 

@@ -40,6 +40,11 @@ class StatsBoard:
     def remove(self, replica: str) -> None:
         self.entries.pop(replica, None)
 
+    def read_pool(self, pool: str, keys: list[str]) -> list[dict[str, Any]]:
+        """`keys` of each live replica of one pool: what a decode replica's placement reads of the
+        prefill pool, without the histograms."""
+        return [{k: stats.get(k) for k in keys} for stats in self.read() if stats.get("pool") == pool]
+
     def read(self) -> list[dict[str, Any]]:
         now = time.monotonic()
         self.entries = {k: v for k, v in self.entries.items() if now - v[0] <= STALE_S}

@@ -11,11 +11,12 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from cluster.config import AppConfig
-from cluster.decode.server import DecodeServer
+from cluster.decode.server import PREFILL_POOL_KEYS, DecodeServer
 from cluster.engine.outputs import TokenDelta
 from cluster.pool_replica import PoolReplica, one_torch_thread
 from cluster.kvtransfer.handoff import PrefillHandoff, PrefillReplicaLost, Receiver
 from cluster.sampling_params import SamplingParams
+from cluster.stats_board import PERIOD_S, board
 
 class ServePrefillClient:
     """`PrefillClient` over the prefill pool's handle; acks are pinned to the replica that holds R."""
@@ -52,9 +53,22 @@ class DecodeDeployment(PoolReplica):
         one_torch_thread()
         super().__init__(DecodeServer(AppConfig.from_args(config)))
         self.prefill = ServePrefillClient(prefill) if prefill is not None else None
+        self._watcher: asyncio.Task | None = None
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[list[TokenDelta]]:
         self._ensure_posting()
+        if self.prefill is not None and self.server.places_by_slo and (self._watcher is None or self._watcher.done()):
+            self._watcher = asyncio.get_running_loop().create_task(self._watch_prefill_pool())
         async for deltas in self.server.generate(request_id, prompt_token_ids, params, self.prefill):
             yield deltas
+
+    async def _watch_prefill_pool(self) -> None:
+        """Keep the prefill pool's last posted load and step cost at hand for placement by SLO."""
+        b = board(self.app_name)
+        while True:
+            try:
+                self.server.observe_prefill_pool(await b.read_pool.remote("prefill", list(PREFILL_POOL_KEYS)))
+            except Exception:  # the board restarting: try again next period
+                b = board(self.app_name)
+            await asyncio.sleep(PERIOD_S)

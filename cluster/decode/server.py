@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections import Counter
 from typing import Any, AsyncIterator, Sequence
@@ -33,6 +34,7 @@ from typing import Any, AsyncIterator, Sequence
 from cluster.autoscaling import BLOCKS_IN_USE, NUM_BLOCKS, REQUESTS
 from cluster.config import AppConfig
 from cluster.decode.importer import KVImporter
+from cluster.decode.placement import PlacementInputs, PrefillPoolView, StepCosts, place
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import LLMEngine
 from cluster.kvtransfer.connectors import create_connector
@@ -42,6 +44,10 @@ from cluster.metrics import ITL_BUCKETS, Histogram
 from cluster.engine.outputs import TokenDelta
 from cluster.cache_report import cache_report
 from cluster.sampling_params import SamplingParams
+
+
+PREFILL_POOL_KEYS = ("queued_work", "step_fixed_s", "step_s_per_token", "max_num_batched_tokens")
+TRANSFER_EWMA = 0.2
 
 
 class DecodeServer:
@@ -63,6 +69,9 @@ class DecodeServer:
         self.last_abort_at = 0.0  # wall time an abandoned request's blocks were last freed
         self._acks: set[asyncio.Task] = set()
         self._landing: dict[tuple, asyncio.Event] = {}  # (prompt, salt) → set once its KV landed here
+        self._prefill_pool: PrefillPoolView | None = None  # as its replicas last posted (placement by SLO)
+        self._sent_since_report: list[int] = []  # prompts sent there since (their tokens)
+        self._transfer_s = 0.01  # a hand-off's send + receive lately (EWMA), seconds
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                        prefill: PrefillClient | None = None) -> AsyncIterator[list[TokenDelta]]:
@@ -106,9 +115,11 @@ class DecodeServer:
         """Conditional disaggregation: few tokens to compute (those this replica's prefix cache
         does not hold) cost less here than a trip through the prefill pool and the connector.
         Few: at most `max_local_prefill_tokens`, or, by time, computing them adds at most
-        `local_prefill_budget_ms` to the step the running streams wait on."""
+        `local_prefill_budget_ms` to the step the running streams wait on. Past those limits, with
+        SLOs set (`ttft_slo_ms`, `itl_slo_ms`), wherever the estimates keep them (decode/placement.py);
+        the decision and its inputs go in R's trace."""
         limit, budget_ms = self.config.max_local_prefill_tokens, self.config.local_prefill_budget_ms
-        if not (limit or budget_ms):
+        if not (limit or budget_ms or self.places_by_slo):
             return False
         uncached = len(prompt)  # a prompt to score is computed whole, cache or not
         if params.prompt_logprobs is None:
@@ -118,11 +129,47 @@ class DecodeServer:
             trace["kv"] = f"short: prefilled here ({uncached} uncached tokens)"
             return True
         extra_s = self.engine.extra_step_seconds(uncached) if budget_ms else None
-        if extra_s is None or extra_s * 1e3 > budget_ms:
+        if extra_s is not None and extra_s * 1e3 <= budget_ms:
+            self.counters["prefilled_locally_budget"] += 1
+            trace["kv"] = f"budget: prefilled here ({uncached} uncached tokens, ~{extra_s * 1e3:.0f} ms)"
+            return True
+        if not self.places_by_slo:
             return False
-        self.counters["prefilled_locally_budget"] += 1
-        trace["kv"] = f"budget: prefilled here ({uncached} uncached tokens, ~{extra_s * 1e3:.0f} ms)"
+        placement = place(self._placement_inputs(uncached), self.config.ttft_slo_ms / 1e3, self.config.itl_slo_ms / 1e3)
+        trace.update(placement.trace())
+        if placement.where == "remote":
+            self._sent_since_report.append(uncached)
+            return False
+        self.counters["prefilled_locally_slo"] += 1
+        trace["kv"] = f"slo: prefilled here ({uncached} uncached tokens)"
         return True
+
+    @property
+    def places_by_slo(self) -> bool:
+        return self.importer is not None and bool(self.config.ttft_slo_ms or self.config.itl_slo_ms)
+
+    def observe_prefill_pool(self, replicas: list[dict[str, Any]]) -> None:
+        """The prefill pool's replicas as last posted (PREFILL_POOL_KEYS of each): their queues and
+        step cost, for placement by SLO."""
+        live = [r for r in replicas if r.get("step_fixed_s") is not None and r.get("step_s_per_token") is not None]
+        if not live:
+            self._prefill_pool = None
+            return
+        fixed = max(r["step_fixed_s"] for r in live)  # the slowest replica's, to be safe
+        per_token = max(r["step_s_per_token"] for r in live)
+        queued = tuple(w for r in live for w in r.get("queued_work") or ())
+        self._prefill_pool = PrefillPoolView(StepCosts(fixed, per_token), queued, len(live),
+                                             min(r.get("max_num_batched_tokens") or 512 for r in live))
+        self._sent_since_report = []
+
+    def _placement_inputs(self, uncached: int) -> PlacementInputs:
+        load = self.engine.load()
+        costs = self.engine.step_costs()
+        pool = self._prefill_pool
+        if pool is not None and self._sent_since_report:  # sent here since the pool last posted
+            pool = dataclasses.replace(pool, queued=pool.queued + tuple(self._sent_since_report))
+        return PlacementInputs(uncached, StepCosts(*costs) if costs else None, load.num_running, load.waiting_tokens,
+                               self.config.engine.scheduler.max_num_batched_tokens, pool, self._transfer_s)
 
     async def _remote_prefill(self, rid: str, prompt: list[int], params: SamplingParams,
                               prefill: PrefillClient, trace: dict[str, Any]) -> None:
@@ -187,6 +234,9 @@ class DecodeServer:
             finally:  # landed, failed or cancelled: the prefill side may free R's blocks now
                 self._ack(prefill, handoff)
             trace["kv_receive_s"] = time.monotonic() - fetching
+            if error is None:  # what a hand-off's transfer costs lately, for placement by SLO
+                moved = handoff.kv_send_s + trace["kv_receive_s"]
+                self._transfer_s += TRANSFER_EWMA * (moved - self._transfer_s)
         # the first token goes to R's stream from the engine thread, ahead of the steps after it
         await self.engine.call(importer.start, rid, handoff, packed, error, deliver=True)
 

@@ -71,6 +71,7 @@ class EngineLoad(NamedTuple):
 
     num_running: int
     num_waiting: int  # queued for a step, or for their remote KV
+    waiting_tokens: int  # prompt tokens the queued ones (not those awaiting KV) have to compute
     free_blocks: int
     used_blocks: int
     num_blocks: int
@@ -157,6 +158,12 @@ class AsyncEngine:
         """Tokens of this prompt the prefix cache would serve now."""
         return self.engine.blocks.cached_prefix_len(prompt_token_ids, salt)
 
+    def step_costs(self) -> tuple[float, float] | None:
+        """(fixed, per_token) seconds of this engine's steps as fitted so far; None until known."""
+        cost = self.engine.step_cost
+        fixed, per_token = cost.fixed_s, cost.per_token_s
+        return None if fixed is None or per_token is None else (fixed, per_token)
+
     def extra_step_seconds(self, num_tokens: int) -> float | None:
         """What `num_tokens` more tokens would add to a step (this engine's measured cost per
         token); None until it is known."""
@@ -165,7 +172,8 @@ class AsyncEngine:
     def load(self) -> EngineLoad:
         e = self.engine
         s = e.scheduler
-        return EngineLoad(len(s.running), len(s.waiting) + len(s.remote), e.blocks.num_free_blocks,
+        waiting_tokens = sum(r.num_tokens - r.num_computed_tokens for r in list(s.waiting))
+        return EngineLoad(len(s.running), len(s.waiting) + len(s.remote), waiting_tokens, e.blocks.num_free_blocks,
                           e.blocks.num_used_blocks, e.blocks.num_blocks)
 
     def open(self, request_id: str) -> RequestStream:

@@ -388,6 +388,8 @@ class LLMEngine:
             "prefix_cache_hits": self.blocks.prefix_hits,
             "num_preemptions": self.scheduler.num_preemptions,
             "step_s_per_token": self.step_cost.per_token_s,
+            "step_fixed_s": self.step_cost.fixed_s,
+            "max_num_batched_tokens": self.config.scheduler.max_num_batched_tokens,
             **self.counters,
             **(self.speculator.stats() if self.speculator is not None else {}),
         }

@@ -29,6 +29,9 @@ from cluster.prefill.exporter import KVExporter, PackedKV
 from cluster.sampling_params import SamplingParams
 
 
+MAX_QUEUED_REPORTED = 512  # prompts whose remaining work a stats post lists (the shortest)
+
+
 class PrefillServer:
     def __init__(self, config: AppConfig, engine: LLMEngine | None = None) -> None:
         self.config = config
@@ -108,7 +111,9 @@ class PrefillServer:
 
     async def stats(self) -> dict[str, Any]:
         base = await self.engine.call(self.exporter.stats)
+        work = sorted(w for _, w in list(self.queued.values()))
         return {**base, "queued_prompt_tokens": sum(n for n, _ in self.queued.values()),
+                "queued_work": work[:MAX_QUEUED_REPORTED],
                 "engine_alive": self.engine.alive, "steps": self.engine.steps,
                 "last_abort_at": self.last_abort_at, "histograms": self.connector.histograms()}
 

@@ -81,7 +81,7 @@ LABELED: dict[str, tuple[str, re.Pattern[str], tuple[str, ...]]] = {
                                     re.compile(r"^kv_(send|receive|refused)_(\w+)$"), ("stage", "kind")),
     "tandem:local_prefills": ("Disaggregated prompts a decode replica prefilled itself, by reason "
                               "(short: within max_local_prefill_tokens; budget: within local_prefill_budget_ms; "
-                              "no_room: no blocks to receive).",
+                              "slo: placement by ttft_slo_ms/itl_slo_ms; no_room: no blocks to receive).",
                               re.compile(r"^prefilled_locally_(\w+)$"), ("reason",)),
     "vllm:spec_decode_num_accepted_tokens_per_pos": ("Draft tokens accepted, by position in the draft (0 first).",
                                                       re.compile(r"^spec_accepted_pos_(\d+)$"), ("position",)),

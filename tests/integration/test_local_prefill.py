@@ -151,3 +151,57 @@ def test_the_budget_is_validated_with_the_app_config():
     for bad in (-1, True, "8", float("nan"), float("inf")):
         with pytest.raises(ValueError, match="local_prefill_budget_ms must be a number >= 0"):
             AppConfig.from_args({"local_prefill_budget_ms": bad})
+
+
+@pytest.fixture(scope="module")
+def slo_pools(tiny_model_paths):
+    with serving_stack(str(tiny_model_paths["llama"]), {"num_blocks": 64, "max_num_seqs": 8},
+                       app={"ttft_slo_ms": 1000, "itl_slo_ms": 50}) as s:
+        yield s
+
+
+class PinnedCost(FixedCost):
+    def __init__(self, fixed_s: float | None, per_token_s: float | None) -> None:
+        super().__init__(per_token_s)
+        self.fixed_s = fixed_s
+
+
+def test_with_slos_each_prompt_is_prefilled_where_the_estimates_keep_them(slo_pools):
+    """Pinned costs (decode 30 ms + 1 ms a token, the prefill pool 40 ms + 1 ms a token, idle):
+    10 uncached tokens here cost ~40 ms before the first token and keep the 50 ms ITL SLO, the
+    prefill pool ~90 ms: here. 60 tokens here would make the streams' step ~90 ms: the pool."""
+    decode = slo_pools["decode"]
+    engine = decode.engine.engine
+    real_fit = engine.step_cost
+    pool = [{"queued_work": [], "step_fixed_s": 0.040, "step_s_per_token": 0.001, "max_num_batched_tokens": 512}]
+    short, long_prompt = [5, 17, 29, 41, 53, 65, 77, 89, 101, 113], [(13 * i) % 500 + 3 for i in range(60)]
+    try:
+        engine.step_cost = PinnedCost(0.030, 0.001)
+        _, trace = generate(slo_pools, "unknown-pool", short)
+        assert trace["kv"] == "landed" and trace["placement_reason"] == "costs not measured yet"
+        decode.observe_prefill_pool(pool)
+        for name, prompt, where in (("short", short, "local"), ("long", long_prompt, "remote")):
+            tokens, trace = generate(slo_pools, name, prompt)
+            assert trace["placement"] == where, (name, trace)
+            assert trace["kv"] == ("slo: prefilled here (10 uncached tokens)" if where == "local" else "landed")
+            assert trace["local_ttft_ms"] == pytest.approx(40.0 if where == "local" else 90.0)
+            assert tokens == generate(slo_pools, f"{name}-colocated", prompt, disaggregated=False)[0], name
+        # the prefill pool's queue fills up (2,000 shorter tokens ahead): the long one stays here now
+        decode.observe_prefill_pool([{**pool[0], "queued_work": [50] * 40}])
+        _, trace = generate(slo_pools, "long-busy-pool", [(17 * i) % 500 + 3 for i in range(60)])
+        assert trace["placement"] == "local" and trace["remote_ttft_ms"] > 1000
+    finally:
+        engine.step_cost = real_fit
+    stats = run(decode.stats())
+    assert stats["prefilled_locally_slo"] == 2 and stats["blocks_in_use"] == 0
+    assert run(slo_pools["prefill"].stats())["blocks_in_use"] == 0
+
+
+def test_the_slos_are_validated_with_the_app_config():
+    from cluster.config import AppConfig
+
+    assert AppConfig.from_args({"ttft_slo_ms": 800, "itl_slo_ms": 120}).itl_slo_ms == 120
+    for name in ("ttft_slo_ms", "itl_slo_ms"):
+        for bad in (-1, True, "8", float("inf")):
+            with pytest.raises(ValueError, match=f"{name} must be a number >= 0"):
+                AppConfig.from_args({name: bad})

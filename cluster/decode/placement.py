@@ -1,0 +1,122 @@
+"""Where a disaggregated request's prompt is computed: on the prefill pool, or here on its
+decode replica, chosen per request against the app's SLOs (`ttft_slo_ms`, `itl_slo_ms`) from
+costs both pools measure (plain values, no torch).
+
+                 time to first token                              running streams' ITL
+    remote       prefill queue + own prompt on a prefill replica  unchanged
+                 + KV transfer + one decode step to join
+    local        this replica's queue + own prompt, in steps      each step it shares grows by
+                 of `max_num_batched_tokens` beside the streams   its prompt tokens' cost
+
+A step costs `fixed + per_token x tokens` (engine/step_cost.py, each pool its own fit). The
+choice: of the placements that keep both SLOs, the one with the earlier first token; when
+neither keeps both, the one that breaks them least (the larger of TTFT / TTFT SLO and
+ITL / ITL SLO). Unknown costs (a pool not measured yet): remote, as without SLOs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """A pool's fitted step cost, seconds."""
+
+    fixed_s: float
+    per_token_s: float
+
+    def step_s(self, tokens: float) -> float:
+        return self.fixed_s + self.per_token_s * tokens
+
+
+@dataclass(frozen=True)
+class PrefillPoolView:
+    """The prefill pool as its replicas last posted it, plus what this replica sent since."""
+
+    costs: StepCosts
+    queued: tuple[int, ...]  # each queued prompt's tokens still to compute, over the pool
+    replicas: int
+    step_budget: int  # a prefill step's max_num_batched_tokens
+
+    def ahead_of(self, tokens: int) -> float:
+        """Prompt tokens a new prompt of `tokens` waits for on one replica: the shorter ones
+        queued (they go first: engine/scheduler.py, prefill_schedule ttft) and the step in
+        progress (at most a step's budget of a longer one)."""
+        shorter = sum(w for w in self.queued if w <= tokens)
+        longer = max((w for w in self.queued if w > tokens), default=0)
+        return (shorter + min(longer, self.step_budget)) / max(1, self.replicas)
+
+
+@dataclass(frozen=True)
+class PlacementInputs:
+    uncached_tokens: int  # R's prompt tokens this replica's prefix cache does not hold
+    decode: StepCosts | None  # this replica's step cost; None until measured
+    running: int  # streams decoding here (one token each per step)
+    waiting_tokens: int  # prompt tokens queued here ahead of R
+    step_budget: int  # max_num_batched_tokens
+    prefill: PrefillPoolView | None  # None: no fresh report from the prefill pool
+    transfer_s: float  # a hand-off's KV send + receive, recently
+
+
+@dataclass(frozen=True)
+class Placement:
+    where: str  # "local" | "remote"
+    reason: str
+    local_ttft_s: float | None = None
+    local_itl_s: float | None = None
+    remote_ttft_s: float | None = None
+    itl_s: float | None = None  # the streams' step without R's prompt
+
+    def trace(self) -> dict[str, object]:
+        """What the request trace shows of the decision (ms)."""
+        ms = {k: round(v * 1e3, 1) for k, v in (("local_ttft_ms", self.local_ttft_s), ("local_itl_ms", self.local_itl_s),
+                                                  ("remote_ttft_ms", self.remote_ttft_s), ("itl_ms", self.itl_s))
+              if v is not None}
+        return {"placement": self.where, "placement_reason": self.reason, **ms}
+
+
+def estimate_local(inp: PlacementInputs) -> tuple[float, float]:
+    """(TTFT, the streams' ITL meanwhile) if R is prefilled here: the queued prompts and R's run
+    in steps of `step_budget` tokens, each also carrying a token per running stream."""
+    d = inp.decode
+    assert d is not None
+    room = max(1, inp.step_budget - inp.running)  # prompt tokens per step beside the streams
+    prompt = inp.waiting_tokens + inp.uncached_tokens
+    steps = max(1, math.ceil(prompt / room))
+    ttft = steps * d.fixed_s + d.per_token_s * (prompt + steps * inp.running)
+    itl = d.step_s(inp.running + min(prompt, room))
+    return ttft, itl
+
+
+def estimate_remote(inp: PlacementInputs) -> float:
+    """TTFT if R goes to the prefill pool: its share of the pool's queue, R's own step, the
+    transfer, and one decode step to join the batch here."""
+    p, d = inp.prefill, inp.decode
+    assert p is not None and d is not None
+    work = p.ahead_of(inp.uncached_tokens) + inp.uncached_tokens
+    steps = max(1, math.ceil(work / max(1, p.step_budget)))
+    return steps * p.costs.fixed_s + p.costs.per_token_s * work + inp.transfer_s + d.step_s(inp.running)
+
+
+def place(inp: PlacementInputs, ttft_slo_s: float | None, itl_slo_s: float | None) -> Placement:
+    if inp.decode is None or inp.prefill is None:
+        return Placement("remote", "costs not measured yet")
+    local_ttft, local_itl = estimate_local(inp)
+    remote_ttft = estimate_remote(inp)
+    itl_now = inp.decode.step_s(inp.running)
+    ttft_slo, itl_slo = ttft_slo_s or math.inf, itl_slo_s or math.inf
+    seen = dict(local_ttft_s=local_ttft, local_itl_s=local_itl, remote_ttft_s=remote_ttft, itl_s=itl_now)
+    local_ok = local_ttft <= ttft_slo and local_itl <= itl_slo
+    remote_ok = remote_ttft <= ttft_slo
+    if local_ok and remote_ok:
+        where = "local" if local_ttft < remote_ttft else "remote"
+        return Placement(where, "both keep the SLOs: the earlier first token", **seen)
+    if local_ok or remote_ok:
+        return Placement("local" if local_ok else "remote", "only this one keeps the SLOs", **seen)
+    local_breach = max(local_ttft / ttft_slo, local_itl / itl_slo)
+    remote_breach = max(remote_ttft / ttft_slo, itl_now / itl_slo)
+    return Placement("local" if local_breach < remote_breach else "remote", "neither keeps the SLOs: the smaller breach",
+                     **seen)
+

@@ -1,0 +1,70 @@
+"""Placement by SLO (cluster/decode/placement.py) with pinned step costs: each branch of the
+decision, and the estimates it rests on worked out by hand."""
+
+import pytest
+
+from cluster.decode.placement import PlacementInputs, PrefillPoolView, StepCosts, estimate_local, estimate_remote, place
+
+DECODE = StepCosts(fixed_s=0.030, per_token_s=0.001)
+PREFILL = StepCosts(fixed_s=0.040, per_token_s=0.001)
+TTFT_SLO, ITL_SLO = 1.0, 0.150
+
+
+def inputs(uncached: int, queued=(), running: int = 8, waiting_tokens: int = 0, replicas: int = 1,
+           decode=DECODE, prefill=PREFILL) -> PlacementInputs:
+    pool = PrefillPoolView(prefill, tuple(queued), replicas, step_budget=512) if prefill else None
+    return PlacementInputs(uncached, decode, running, waiting_tokens, 512, pool, transfer_s=0.010)
+
+
+def test_the_estimates_by_hand():
+    inp = inputs(100, queued=(50, 300, 2000), running=8, waiting_tokens=20)
+    ttft, itl = estimate_local(inp)
+    # one step of 20 + 100 prompt tokens beside 8 streams: 30 ms + 128 x 1 ms
+    assert ttft == pytest.approx(0.030 + 0.128) and itl == pytest.approx(0.030 + 0.128)
+    # remote: the 50-token prompt ahead (shorter), the 2000-token one's step in progress (512 of
+    # it), then ours: 662 tokens in 2 steps of the prefill pool, the transfer, one decode step
+    assert estimate_remote(inp) == pytest.approx(2 * 0.040 + 0.662 + 0.010 + 0.030 + 0.008)
+
+
+def test_a_long_queue_is_shared_by_the_replicas():
+    assert PrefillPoolView(PREFILL, (100, 100, 100, 100), 2, 512).ahead_of(200) == 200
+
+
+def test_costs_not_measured_yet_go_remote():
+    assert place(inputs(12, decode=None), TTFT_SLO, ITL_SLO).where == "remote"
+    assert place(inputs(12, prefill=None), TTFT_SLO, ITL_SLO).where == "remote"
+
+
+def test_a_short_prompt_both_can_serve_goes_where_its_first_token_comes_first():
+    p = place(inputs(12), TTFT_SLO, ITL_SLO)
+    assert p.where == "local" and p.local_ttft_s < p.remote_ttft_s
+    assert "both keep" in p.reason
+    # a busy decode replica (a queue of its own) and an idle prefill pool: the pool is sooner
+    p = place(inputs(12, waiting_tokens=600, running=2), 5.0, 5.0)
+    assert p.where == "remote" and p.remote_ttft_s < p.local_ttft_s
+
+
+def test_a_long_prompt_that_would_stall_the_streams_goes_remote():
+    p = place(inputs(800), TTFT_SLO, ITL_SLO)
+    assert p.where == "remote" and p.local_itl_s > ITL_SLO >= p.itl_s
+    assert p.reason == "only this one keeps the SLOs"
+
+
+def test_a_short_prompt_behind_a_long_prefill_queue_stays_local():
+    p = place(inputs(30, queued=[25] * 60), TTFT_SLO, ITL_SLO)  # 1,500 shorter tokens queued there
+    assert p.where == "local" and p.remote_ttft_s > TTFT_SLO and p.local_itl_s <= ITL_SLO
+
+
+def test_when_neither_keeps_the_slos_the_smaller_breach_wins():
+    # the pool's queue breaks TTFT 3x; locally the streams' ITL grows past its SLO by less
+    p = place(inputs(150, queued=[100] * 30, running=16), TTFT_SLO, ITL_SLO)
+    assert p.reason.startswith("neither")
+    assert p.where == "local" and p.local_itl_s / ITL_SLO < p.remote_ttft_s / TTFT_SLO
+    # and the other way: a prompt so long that prefilling it here breaks the streams' ITL worst
+    p = place(inputs(3000, running=16), TTFT_SLO, ITL_SLO)  # ~3 s of prefill anywhere
+    assert p.where == "remote" and p.reason.startswith("neither")
+
+
+def test_the_trace_shows_the_decision_and_its_inputs():
+    t = place(inputs(12), TTFT_SLO, ITL_SLO).trace()
+    assert t["placement"] == "local" and {"local_ttft_ms", "local_itl_ms", "remote_ttft_ms", "itl_ms"} <= set(t)
