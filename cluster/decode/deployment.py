@@ -58,10 +58,17 @@ class DecodeDeployment(PoolReplica):
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[list[TokenDelta]]:
         self._ensure_posting()
-        if self.prefill is not None and self.server.places_by_slo and (self._watcher is None or self._watcher.done()):
-            self._watcher = asyncio.get_running_loop().create_task(self._watch_prefill_pool())
+        self._ensure_watching()
         async for deltas in self.server.generate(request_id, prompt_token_ids, params, self.prefill):
             yield deltas
+
+    async def check_health(self) -> None:
+        self._ensure_watching()  # from the first health check on: placement knows the pool before a request
+        await super().check_health()
+
+    def _ensure_watching(self) -> None:
+        if self.prefill is not None and self.server.places_by_slo and (self._watcher is None or self._watcher.done()):
+            self._watcher = asyncio.get_running_loop().create_task(self._watch_prefill_pool())
 
     async def _watch_prefill_pool(self) -> None:
         """Keep the prefill pool's last posted load and step cost at hand for placement by SLO."""

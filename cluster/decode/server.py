@@ -60,7 +60,8 @@ class DecodeServer:
             kv = config.kv_transfer
             self.connector = create_connector(kv.connector, engine.kv_layout(), **kv.connector_options("decode"))
             self.importer = KVImporter(engine, self.connector, kv.kv_load_failure_policy, kv.timeout_s)
-            if config.local_prefill_budget_ms:  # know what a token costs before the first request
+            if config.local_prefill_budget_ms or config.ttft_slo_ms or config.itl_slo_ms:  # know what a
+                # token costs before the first request
                 engine.calibrate()
         self.engine = AsyncEngine(engine)
         self.name = ""  # this replica's id, in traces
