@@ -167,6 +167,9 @@ def summarize(workload: Workload, samples: list[Sample], wall_s: float) -> dict[
              for s in ok if s.completion_tokens > 1 and len(s.chunk_times) > 1]
     tokens = sum(s.completion_tokens for s in ok)
     chunks = sum(len(s.chunk_times) for s in ok)
+    # the long prompts alone (a mixed workload's every `long_every`-th): what short ones passing them costs
+    long_ttfts = [s.ttft_s for s in ok if s.ttft_s is not None and workload.long_every
+                  and s.prompt_words >= workload.long_words]
 
     def ms(x: float | None) -> float | None:
         return None if x is None else round(x * 1000, 1)
@@ -181,4 +184,5 @@ def summarize(workload: Workload, samples: list[Sample], wall_s: float) -> dict[
         "itl_ms": {"p50": ms(percentile(itls, 50)), "p99": ms(percentile(itls, 99))},
         "tpot_ms": {"p50": ms(percentile(tpots, 50))},
         "tokens_per_chunk": round(tokens / chunks, 2) if chunks else None,
+        **({"ttft_long_ms": {"p50": ms(percentile(long_ttfts, 50)), "max": ms(max(long_ttfts))}} if long_ttfts else {}),
     }
