@@ -150,12 +150,24 @@ def percentile(xs: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, max(0, int(round(q / 100 * len(ordered) + 0.5)) - 1))]
 
 
+def tpot_s(sample: Sample) -> float | None:
+    """(last chunk − first chunk) / (completion tokens − 1); None below two tokens or chunks."""
+    if sample.completion_tokens > 1 and len(sample.chunk_times) > 1:
+        return (sample.chunk_times[-1] - sample.chunk_times[0]) / (sample.completion_tokens - 1)
+    return None
+
+
 def summarize(workload: Workload, samples: list[Sample], wall_s: float) -> dict[str, Any]:
+    return {"workload": workload.name, **latency_summary(samples, wall_s, workload.concurrency, workload.max_tokens)}
+
+
+def latency_summary(samples: list[Sample], wall_s: float, concurrency: int | None = None,
+                    max_tokens: int | None = None) -> dict[str, Any]:
+    """Errors, throughput and the TTFT / ITL / TPOT percentiles of one run's samples."""
     ok = [s for s in samples if s.error is None]
     ttfts = [s.ttft_s for s in ok if s.ttft_s is not None]
     itls = [gap for s in ok for gap in s.itls_s]
-    tpots = [(s.chunk_times[-1] - s.chunk_times[0]) / (s.completion_tokens - 1)
-             for s in ok if s.completion_tokens > 1 and len(s.chunk_times) > 1]
+    tpots = [t for s in ok if (t := tpot_s(s)) is not None]
     tokens = sum(s.completion_tokens for s in ok)
     chunks = sum(len(s.chunk_times) for s in ok)
 
@@ -163,12 +175,13 @@ def summarize(workload: Workload, samples: list[Sample], wall_s: float) -> dict[
         return None if x is None else round(x * 1000, 1)
 
     return {
-        "workload": workload.name, "requests": len(samples), "errors": len(samples) - len(ok),
+        "requests": len(samples), "errors": len(samples) - len(ok),
         "error_kinds": sorted({s.error.split(":")[0] for s in samples if s.error}),
-        "concurrency": workload.concurrency, "max_tokens": workload.max_tokens,
+        **({"concurrency": concurrency} if concurrency is not None else {}),
+        **({"max_tokens": max_tokens} if max_tokens is not None else {}),
         "wall_s": round(wall_s, 2), "completion_tokens": tokens,
         "out_tok_s": round(tokens / wall_s, 1) if wall_s > 0 else None,
-        "ttft_ms": {"p50": ms(percentile(ttfts, 50)), "p99": ms(percentile(ttfts, 99))},
+        "ttft_ms": {f"p{q}": ms(percentile(ttfts, q)) for q in (50, 90, 99)},
         "itl_ms": {"p50": ms(percentile(itls, 50)), "p99": ms(percentile(itls, 99))},
         "tpot_ms": {"p50": ms(percentile(tpots, 50))},
         "tokens_per_chunk": round(tokens / chunks, 2) if chunks else None,
