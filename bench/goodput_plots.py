@@ -77,8 +77,8 @@ def plot_goodput(data: dict[str, Any], out_dir: str | Path) -> list[Path]:
     ax.set(title="Per-user speed vs total throughput, ShareGPT (labels: req/s; up and right is better)",
            xlabel="completion tokens/s, all users", ylabel="tokens/s per user (1 / TPOT p50)")
     ax.title.set_fontsize(10)
-    ax.set_xlim(left=0)
-    ax.set_ylim(bottom=0)
+    ax.set_xlim(0, ax.get_xlim()[1] * 1.08)  # room for the rate labels
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.08)
     ax.grid(True, alpha=0.3)
     if series:
         ax.legend(fontsize=8)
