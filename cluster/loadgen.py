@@ -126,14 +126,16 @@ async def stream_one(session: aiohttp.ClientSession, url: str, model: str, promp
 
 async def run_workload(url: str, model: str, workload: Workload, *, api_key: str | None = None,
                        on_done: Callable[[Sample], None] | None = None,
-                       salt: int | None = None) -> tuple[dict[str, Any], list[Sample]]:
+                       salt: int | None = None, keep_alive: bool = True) -> tuple[dict[str, Any], list[Sample]]:
     """Send the workload's requests, `concurrency` at a time; return its summary and samples.
-    Long prompts are new to the server each run (a random `salt` unless one is given)."""
+    Long prompts are new to the server each run (a random `salt` unless one is given).
+    `keep_alive=False`: a new connection per request (llama-server closes one after a stream
+    while announcing keep-alive, and a POST on the dead connection fails)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     salt = random.SystemRandom().getrandbits(32) if salt is None else salt
     queue = list(range(workload.num_requests))
     samples: list[Sample] = []
-    connector = aiohttp.TCPConnector(limit=workload.concurrency + 1)
+    connector = aiohttp.TCPConnector(limit=workload.concurrency + 1, force_close=not keep_alive)
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         async def worker() -> None:
@@ -159,28 +161,42 @@ def percentile(xs: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, max(0, int(round(q / 100 * len(ordered) + 0.5)) - 1))]
 
 
+def tpot_s(sample: Sample) -> float | None:
+    """(last chunk − first chunk) / (completion tokens − 1); None below two tokens or chunks."""
+    if sample.completion_tokens > 1 and len(sample.chunk_times) > 1:
+        return (sample.chunk_times[-1] - sample.chunk_times[0]) / (sample.completion_tokens - 1)
+    return None
+
+
 def summarize(workload: Workload, samples: list[Sample], wall_s: float) -> dict[str, Any]:
+    return {"workload": workload.name, **latency_summary(samples, wall_s, workload.concurrency, workload.max_tokens,
+                                                         workload.long_words if workload.long_every else None)}
+
+
+def latency_summary(samples: list[Sample], wall_s: float, concurrency: int | None = None,
+                    max_tokens: int | None = None, long_words: int | None = None) -> dict[str, Any]:
+    """Errors, throughput and the TTFT / ITL / TPOT percentiles of one run's samples; with
+    `long_words`, the TTFT of the prompts at least that long apart too."""
     ok = [s for s in samples if s.error is None]
     ttfts = [s.ttft_s for s in ok if s.ttft_s is not None]
     itls = [gap for s in ok for gap in s.itls_s]
-    tpots = [(s.chunk_times[-1] - s.chunk_times[0]) / (s.completion_tokens - 1)
-             for s in ok if s.completion_tokens > 1 and len(s.chunk_times) > 1]
+    tpots = [t for s in ok if (t := tpot_s(s)) is not None]
     tokens = sum(s.completion_tokens for s in ok)
     chunks = sum(len(s.chunk_times) for s in ok)
     # the long prompts alone (a mixed workload's every `long_every`-th): what short ones passing them costs
-    long_ttfts = [s.ttft_s for s in ok if s.ttft_s is not None and workload.long_every
-                  and s.prompt_words >= workload.long_words]
+    long_ttfts = [s.ttft_s for s in ok if s.ttft_s is not None and long_words and s.prompt_words >= long_words]
 
     def ms(x: float | None) -> float | None:
         return None if x is None else round(x * 1000, 1)
 
     return {
-        "workload": workload.name, "requests": len(samples), "errors": len(samples) - len(ok),
+        "requests": len(samples), "errors": len(samples) - len(ok),
         "error_kinds": sorted({s.error.split(":")[0] for s in samples if s.error}),
-        "concurrency": workload.concurrency, "max_tokens": workload.max_tokens,
+        **({"concurrency": concurrency} if concurrency is not None else {}),
+        **({"max_tokens": max_tokens} if max_tokens is not None else {}),
         "wall_s": round(wall_s, 2), "completion_tokens": tokens,
         "out_tok_s": round(tokens / wall_s, 1) if wall_s > 0 else None,
-        "ttft_ms": {"p50": ms(percentile(ttfts, 50)), "p99": ms(percentile(ttfts, 99))},
+        "ttft_ms": {f"p{q}": ms(percentile(ttfts, q)) for q in (50, 90, 99)},
         "itl_ms": {"p50": ms(percentile(itls, 50)), "p99": ms(percentile(itls, 99))},
         "tpot_ms": {"p50": ms(percentile(tpots, 50))},
         "tokens_per_chunk": round(tokens / chunks, 2) if chunks else None,

@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("pools", ["cluster.prefill", "cluster.prefill.*", "cluster.decode", "cluster.decode.*"]),
     ("router", ["cluster.router", "cluster.router.*"]),
     ("offline API and tools", ["cluster.llm", "cluster.serve_config", "cluster.loadgen", "cluster.plots",
-                               "cluster.bench_cli"]),
+                               "cluster.bench_cli", "cluster.goodput", "cluster.sharegpt"]),
     ("command line and package", ["cluster.cli", "cluster"]),
 ]
 
