@@ -46,6 +46,8 @@ from servers import log as _log  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS = ("disaggregated", "colocated", "vllm", "vllm_omp2", "llamacpp")
 TANDEM = {"disaggregated": "configs/serve.yaml", "colocated": "configs/colocated.yaml"}
+# named in --systems only: a config with its app args updated
+TANDEM_VARIANTS = {"disaggregated_prefill_2t": ("configs/serve.yaml", {"prefill_torch_threads": 2})}
 VLLM_ENV = {"vllm": {}, "vllm_omp2": {"OMP_NUM_THREADS": "2"}}
 MIXED = WORKLOADS["mixed_chat"]  # the issue's: 24 at 6, 30-word chats, every 4th ~600 words
 LLAMACPP_NOTE = ("llama.cpp computes in Q4_1, the GGUF file as shipped: ~7x fewer weight bytes per token "
@@ -116,16 +118,17 @@ def run_systems(wanted: list[str], plan: Plan, args: argparse.Namespace,
     from cluster.models.default_model import ensure_default_model, gguf_path
 
     out: dict[str, Any] = {}
-    tandem = [s for s in wanted if s in TANDEM]
+    tandem = [s for s in wanted if s in TANDEM or s in TANDEM_VARIANTS]
     if tandem:
         with local_ray(os.cpu_count() or 2) as url:
             for name in tandem:
                 def run_tandem(name: str = name) -> dict[str, Any]:
-                    log(f"{name}: deploying {TANDEM[name]}")
-                    with deployed(TANDEM[name]) as app:
+                    config, args = TANDEM_VARIANTS.get(name) or (TANDEM[name], None)
+                    log(f"{name}: deploying {config} {json.dumps(args) if args else ''}")
+                    with deployed(config, args) as app:
                         replicas = sum(d.get("num_replicas", 1) for d in app["deployments"] if d["name"] == "DecodePool")
                         wait_http(f"{url}/health", 120)
-                        return {"config": TANDEM[name], **measure(url, plan, replicas)}
+                        return {"config": config, **({"args": args} if args else {}), **measure(url, plan, replicas)}
                 out[name] = guarded(name, run_tandem)
                 saved(out)
     for name in (s for s in wanted if s in VLLM_ENV):
@@ -171,7 +174,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--plot-dir", default=None, help="where the PNGs go (default docs/; with --quick bench/results/)")
     p.add_argument("--replot", metavar="JSON", help="only redraw the PNGs from a saved run")
     args = p.parse_args(argv)
-    unknown = set(args.systems.split(",")) - set(SYSTEMS)
+    unknown = set(args.systems.split(",")) - set(SYSTEMS) - set(TANDEM_VARIANTS)
     if unknown:
         p.error(f"unknown systems {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
     args.mixed = None if args.no_mixed else MIXED

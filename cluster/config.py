@@ -293,6 +293,10 @@ class AppConfig:
     computing the tokens its prefix cache does not hold would add at most this many ms to its
     running streams' next step, by its own steps' measured cost per token (engine/step_cost.py):
     the same decision as `max_local_prefill_tokens`, in time, so it holds on any host; 0: off.
+    ttft_slo_ms / itl_slo_ms: disaggregated, past those two limits each prompt is prefilled on the
+    prefill pool or on its decode replica, whichever the measured costs say keeps both SLOs
+    (decode/placement.py); 0 and 0: off, every prompt goes to the prefill pool.
+    prefill_torch_threads: torch threads of each prefill replica (decode replicas take one).
     """
 
     mode: str = "disaggregated"
@@ -310,6 +314,7 @@ class AppConfig:
     local_prefill_budget_ms: float = 0.0
     ttft_slo_ms: float = 0.0
     itl_slo_ms: float = 0.0
+    prefill_torch_threads: int = 1
 
     @property
     def prefill_engine(self) -> EngineConfig:
@@ -335,6 +340,9 @@ class AppConfig:
         budget = self.local_prefill_budget_ms
         if not isinstance(budget, (int, float)) or isinstance(budget, bool) or not 0 <= budget < float("inf"):
             raise ValueError(f"local_prefill_budget_ms must be a number >= 0, got {budget!r}")
+        if not isinstance(self.prefill_torch_threads, int) or isinstance(self.prefill_torch_threads, bool) \
+                or self.prefill_torch_threads < 1:
+            raise ValueError(f"prefill_torch_threads must be an integer >= 1, got {self.prefill_torch_threads!r}")
         for name in ("ttft_slo_ms", "itl_slo_ms"):
             slo = getattr(self, name)
             if not isinstance(slo, (int, float)) or isinstance(slo, bool) or not 0 <= slo < float("inf"):

@@ -59,8 +59,9 @@ class PoolReplica:
             server.close()
 
 
-def one_torch_thread() -> None:
-    """One torch thread per replica: replicas are sized by num_cpus, not by torch's guess."""
+def one_torch_thread(threads: int | None = None) -> None:
+    """One torch thread per replica (or `threads`): replicas are sized by num_cpus, not by torch's
+    guess. TANDEM_TORCH_THREADS, when set, wins."""
     import torch
 
-    torch.set_num_threads(max(1, int(float(os.environ.get("TANDEM_TORCH_THREADS", "1")))))
+    torch.set_num_threads(max(1, int(float(os.environ.get("TANDEM_TORCH_THREADS", threads or 1)))))

@@ -19,8 +19,9 @@ class PrefillDeployment(PoolReplica):
     pool = "prefill"
 
     def __init__(self, config: dict[str, Any]) -> None:
-        one_torch_thread()
-        super().__init__(PrefillServer(AppConfig.from_args(config)))
+        app = AppConfig.from_args(config)
+        one_torch_thread(app.prefill_torch_threads)
+        super().__init__(PrefillServer(app))
 
     async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                       receiver: Receiver) -> PrefillHandoff:

@@ -205,3 +205,12 @@ def test_the_slos_are_validated_with_the_app_config():
         for bad in (-1, True, "8", float("inf")):
             with pytest.raises(ValueError, match=f"{name} must be a number >= 0"):
                 AppConfig.from_args({name: bad})
+
+
+def test_prefill_torch_threads_is_validated_with_the_app_config():
+    from cluster.config import AppConfig
+
+    assert AppConfig.from_args({"prefill_torch_threads": 2}).prefill_torch_threads == 2
+    for bad in (0, True, 1.5, "2"):
+        with pytest.raises(ValueError, match="prefill_torch_threads must be an integer >= 1"):
+            AppConfig.from_args({"prefill_torch_threads": bad})
