@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import resource
@@ -162,6 +163,31 @@ def cpu_seconds(pids: dict[int, str]) -> dict[int, float]:
     return {p: st[1] for p in pids if (st := _stat(p)) is not None}
 
 
+def direct_urls() -> list[str]:
+    """The router replicas' own HTTP listeners (Serve's direct ingress: a port each, in its range)."""
+    from ray.serve._private.constants import (RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT as hi,
+                                              RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT as lo)
+
+    routers = {p for p, role in ray_processes().items() if role == "router"}
+    inodes = set()
+    for pid in routers:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+    ports = []
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state, inode = line.split()[1], line.split()[3], line.split()[9]
+        port = int(local.split(":")[1], 16)
+        if state == "0A" and inode in inodes and lo <= port < hi:  # 0A: LISTEN
+            ports.append(port)
+    if len(ports) != len(routers):
+        raise RuntimeError(f"found {len(ports)} direct-ingress ports for {len(routers)} router replicas "
+                           "(is RAY_SERVE_THROUGHPUT_OPTIMIZED=1 set via --serve-env?)")
+    return [f"http://127.0.0.1:{p}" for p in sorted(ports)]
+
+
 def machine_busy_s() -> float:
     """CPU seconds the whole machine has been busy (every core, every process)."""
     user, nice, system, idle, iowait, irq, softirq, steal = map(int, Path("/proc/stat").read_text().split()[1:9])
@@ -169,22 +195,22 @@ def machine_busy_s() -> float:
 
 
 # -- the client, in a process of its own (its CPU is its own) --------------------------
-def client_main(url: str, model: str, streams: int, tokens: int) -> None:
+def client_main(urls: list[str], model: str, streams: int, tokens: int) -> None:
     """Imports done, say "ready" and wait for "go" on stdin: the measured window holds the load alone."""
     workload = Workload(f"streams{streams}", num_requests=streams, concurrency=streams, max_tokens=tokens)
     print("ready", flush=True)
     sys.stdin.readline()
     before = resource.getrusage(resource.RUSAGE_SELF)
-    summary, _ = asyncio.run(run_workload(url, model, workload))
+    summary, _ = asyncio.run(run_workload(urls, model, workload))
     after = resource.getrusage(resource.RUSAGE_SELF)
     summary["client_cpu_s"] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     print(json.dumps(summary), flush=True)
 
 
-def measure_load(url: str, model: str, streams: int, tokens: int, profile: Path | None = None) -> dict[str, Any]:
+def measure_load(urls: list[str], model: str, streams: int, tokens: int, profile: Path | None = None) -> dict[str, Any]:
     """One load from a client process of its own, and what every process spent on it.
     `profile`: py-spy samples each Serve process during the load, collapsed stacks written there."""
-    cmd = [sys.executable, __file__, "--client", url, "--model-name", model, "--streams", str(streams),
+    cmd = [sys.executable, __file__, "--client", ",".join(urls), "--model-name", model, "--streams", str(streams),
            "--tokens", str(tokens)]
     client = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -223,7 +249,7 @@ def measure_load(url: str, model: str, streams: int, tokens: int, profile: Path 
 
 
 def cluster(system: str, args: dict[str, Any], model: Path, streams: list[int], tokens: int,
-            routers: int, url: str, profile: Path | None) -> dict[str, Any]:
+            routers: int, url: str, profile: Path | None, direct: bool) -> dict[str, Any]:
     config = SYSTEMS[system]
     n = max(streams)
     pools = {"Router": {"num_replicas": routers}, "DecodePool": {"max_ongoing_requests": n},
@@ -236,11 +262,13 @@ def cluster(system: str, args: dict[str, Any], model: Path, streams: list[int], 
         summary, _ = asyncio.run(run_workload(url, model.name, warm))
         if summary["errors"]:
             raise RuntimeError(f"warm-up failed: {summary}")
+        urls = direct_urls() if direct else [url]
+        out["urls"] = urls
         for s in streams:
             spy_dir = None
             if profile is not None:
                 (spy_dir := profile / system).mkdir(parents=True, exist_ok=True)
-            out[str(s)] = measure_load(url, model.name, s, tokens, spy_dir)
+            out[str(s)] = measure_load(urls, model.name, s, tokens, spy_dir)
             log(f"{system}, {s} streams: {json.dumps(out[str(s)])}")
     return out
 
@@ -253,6 +281,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     p.add_argument("--routers", type=int, default=1, help="Router replicas (default 1)")
     p.add_argument("--serve-env", action="append", default=[], metavar="KEY=VALUE",
                    help="an environment variable for the local Ray and every process it starts")
+    p.add_argument("--direct", action="store_true",
+                   help="the client talks to each router replica's own HTTP port (Serve's direct ingress, "
+                        "on under RAY_SERVE_THROUGHPUT_OPTIMIZED=1), not through Serve's proxy")
     p.add_argument("--skip-engine", action="store_true", help="no engine-alone run (no ratios)")
     p.add_argument("--out", help="also write the JSON here")
     p.add_argument("--profile", help="py-spy each Serve process during every load (its CPU figures then "
@@ -262,7 +293,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     args = p.parse_args(argv)
     streams = [int(s) for s in args.streams.split(",")]
     if args.client:
-        client_main(args.client, args.model_name, streams[0], args.tokens)
+        client_main(args.client.split(","), args.model_name, streams[0], args.tokens)
         return None
     serve_env = dict(kv.split("=", 1) for kv in args.serve_env)
     os.environ.update(serve_env)
@@ -280,7 +311,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             for system in args.systems.split(","):
                 systems[system] = cluster(system, app_args(SYSTEMS[system], model, max(streams)), model, streams,
                                           args.tokens, args.routers, url,
-                                          Path(args.profile) if args.profile else None)
+                                          Path(args.profile) if args.profile else None, args.direct)
     result["systems"] = systems
     if "engine_alone" in result:
         result["delivered_vs_engine"] = {

@@ -121,11 +121,13 @@ async def stream_one(session: aiohttp.ClientSession, url: str, model: str, promp
     return s
 
 
-async def run_workload(url: str, model: str, workload: Workload, *, api_key: str | None = None,
+async def run_workload(url: str | list[str], model: str, workload: Workload, *, api_key: str | None = None,
                        on_done: Callable[[Sample], None] | None = None,
                        salt: int | None = None) -> tuple[dict[str, Any], list[Sample]]:
     """Send the workload's requests, `concurrency` at a time; return its summary and samples.
-    Long prompts are new to the server each run (a random `salt` unless one is given)."""
+    Long prompts are new to the server each run (a random `salt` unless one is given). Several
+    URLs (one server's replicas without a balancer in front): request i goes to url[i % len]."""
+    urls = [url] if isinstance(url, str) else url
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     salt = random.SystemRandom().getrandbits(32) if salt is None else salt
     queue = list(range(workload.num_requests))
@@ -136,8 +138,8 @@ async def run_workload(url: str, model: str, workload: Workload, *, api_key: str
         async def worker() -> None:
             while queue:
                 i = queue.pop(0)
-                s = await stream_one(session, url, model, prompt_for(workload, i, salt), workload.max_tokens,
-                                       headers)
+                s = await stream_one(session, urls[i % len(urls)], model, prompt_for(workload, i, salt),
+                                     workload.max_tokens, headers)
                 samples.append(s)
                 if on_done is not None:
                     on_done(s)
