@@ -248,6 +248,19 @@ def measure_load(urls: list[str], model: str, streams: int, tokens: int, profile
             "machine_busy_cores": round(busy / wall, 2)}
 
 
+def stream_paths(url: str) -> dict[str, float]:
+    """The routers' tandem:token_streams counters so far (multiplexed / own), from /metrics."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    found: dict[str, float] = {}
+    for path, value in re.findall(r'^tandem:token_streams_total\{[^}]*path="(\w+)"[^}]*\} (\S+)$', text, re.M):
+        found[path] = found.get(path, 0.0) + float(value)
+    return found
+
+
 def cluster(system: str, args: dict[str, Any], model: Path, streams: list[int], tokens: int,
             routers: int, url: str, profile: Path | None, direct: bool) -> dict[str, Any]:
     config = SYSTEMS[system]
@@ -269,6 +282,7 @@ def cluster(system: str, args: dict[str, Any], model: Path, streams: list[int], 
             if profile is not None:
                 (spy_dir := profile / system).mkdir(parents=True, exist_ok=True)
             out[str(s)] = measure_load(urls, model.name, s, tokens, spy_dir)
+            out[str(s)]["token_streams"] = stream_paths(url)
             log(f"{system}, {s} streams: {json.dumps(out[str(s)])}")
     return out
 

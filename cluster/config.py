@@ -286,6 +286,9 @@ class AppConfig:
     computing the tokens its prefix cache does not hold would add at most this many ms to its
     running streams' next step, by its own steps' measured cost per token (engine/step_cost.py):
     the same decision as `max_local_prefill_tokens`, in time, so it holds on any host; 0: off.
+    multiplexed_streams: each router replica takes its tokens from each decode replica over one
+    stream carrying every step's new tokens of all its requests there (decode/channels.py,
+    router/mux.py), not one stream message per token per request; false: one stream per request.
     """
 
     mode: str = "disaggregated"
@@ -301,6 +304,7 @@ class AppConfig:
     prefix_aware_routing: bool = True
     max_local_prefill_tokens: int = 0
     local_prefill_budget_ms: float = 0.0
+    multiplexed_streams: bool = True
 
     @property
     def prefill_engine(self) -> EngineConfig:
@@ -318,6 +322,8 @@ class AppConfig:
             raise ValueError("max_request_bytes must be >= 1024")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:
             raise ValueError("request_timeout_s must be positive (or null for no deadline)")
+        if not isinstance(self.multiplexed_streams, bool):
+            raise ValueError(f"multiplexed_streams must be true or false, got {self.multiplexed_streams!r}")
         if not isinstance(self.prefix_aware_routing, bool):
             raise ValueError(f"prefix_aware_routing must be true or false, got {self.prefix_aware_routing!r}")
         if not isinstance(self.max_local_prefill_tokens, int) or isinstance(self.max_local_prefill_tokens, bool) \

@@ -32,6 +32,7 @@ from typing import Any, AsyncIterator, Sequence
 
 from cluster.autoscaling import BLOCKS_IN_USE, NUM_BLOCKS, REQUESTS
 from cluster.config import AppConfig
+from cluster.decode.channels import Channels
 from cluster.decode.importer import KVImporter
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import LLMEngine
@@ -39,7 +40,7 @@ from cluster.kvtransfer.connectors import create_connector
 from cluster.kvtransfer.errors import KVTransferError
 from cluster.kvtransfer.handoff import PrefillClient, PrefillFailed, PrefillHandoff, prefill_with_retries
 from cluster.metrics import ITL_BUCKETS, Histogram
-from cluster.engine.outputs import TokenDelta
+from cluster.engine.outputs import StreamStart, TokenDelta
 from cluster.cache_report import cache_report
 from cluster.sampling_params import SamplingParams
 
@@ -57,6 +58,7 @@ class DecodeServer:
             if config.local_prefill_budget_ms:  # know what a token costs before the first request
                 engine.calibrate()
         self.engine = AsyncEngine(engine)
+        self.channels = Channels()  # the routers' multiplexed token streams
         self.name = ""  # this replica's id, in traces
         self.itl = Histogram(ITL_BUCKETS)  # seconds between a request's tokens, engine clock
         self.counters: Counter[str] = Counter()
@@ -65,12 +67,18 @@ class DecodeServer:
         self._landing: dict[tuple, asyncio.Event] = {}  # (prompt, salt) → set once its KV landed here
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                       prefill: PrefillClient | None = None) -> AsyncIterator[list[TokenDelta]]:
-        """R's token deltas; the last one carries R's trace (where and how long each part took)."""
+                       prefill: PrefillClient | None = None,
+                       mux: str | None = None) -> AsyncIterator[list[TokenDelta] | StreamStart]:
+        """R's token deltas; the last one carries R's trace (where and how long each part took).
+        `mux`: the calling router replica's id; R's deltas then go over its channel when it has
+        one open here (decode/channels.py), after a first item that says so."""
         prompt = list(prompt_token_ids)
         stream = self.engine.open(request_id)
         trace: dict[str, Any] = {"decode_replica": self.name}
+        channel = self.channels.open.get(mux) if mux is not None else None
         try:
+            if mux is not None:
+                yield StreamStart(self.name, channel is not None)
             if prefill is None or self.importer is None or self._prefill_here(prompt, params, trace):
                 await self.engine.add_request(request_id, prompt, params)
             else:
@@ -87,7 +95,10 @@ class DecodeServer:
                     if outs[-1].num_draft_tokens:
                         delta.trace.update(spec_draft_tokens=outs[-1].num_draft_tokens,
                                            spec_accepted_tokens=outs[-1].num_accepted_tokens)
-                yield [delta]
+                if channel is None:
+                    yield [delta]
+                else:
+                    channel.put(request_id, delta)
         finally:
             if self.connector is not None:
                 self.connector.cancel(request_id)

@@ -64,6 +64,19 @@ class PrefillResult:
     num_cached_tokens: int = 0  # prompt tokens the prefill side's prefix cache served
 
 
+class StreamStart(NamedTuple):
+    """The first item of a request's own stream when its router multiplexes (decode/channels.py):
+    which decode replica took it, and whether its deltas come over that router's channel."""
+
+    replica: str
+    multiplexed: bool
+
+
+class ChannelClosed(RuntimeError):
+    """A router's multiplexed channel closed while a request's tokens still went through it
+    (either side raises it); the router takes it as a lost replica and migrates the request."""
+
+
 @dataclass
 class TokenDelta:
     """What a decode replica streams per request: the tokens since the previous delta.
