@@ -297,6 +297,9 @@ class AppConfig:
     prefill pool or on its decode replica, whichever the measured costs say keeps both SLOs
     (decode/placement.py); 0 and 0: off, every prompt goes to the prefill pool.
     prefill_torch_threads: torch threads of each prefill replica (decode replicas take one).
+    multiplexed_streams: each router replica takes its tokens from each decode replica over one
+    stream carrying every step's new tokens of all its requests there (decode/channels.py,
+    router/mux.py), not one stream message per token per request; false: one stream per request.
     """
 
     mode: str = "disaggregated"
@@ -315,6 +318,7 @@ class AppConfig:
     ttft_slo_ms: float = 0.0
     itl_slo_ms: float = 0.0
     prefill_torch_threads: int = 1
+    multiplexed_streams: bool = True
 
     @property
     def prefill_engine(self) -> EngineConfig:
@@ -332,6 +336,8 @@ class AppConfig:
             raise ValueError("max_request_bytes must be >= 1024")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:
             raise ValueError("request_timeout_s must be positive (or null for no deadline)")
+        if not isinstance(self.multiplexed_streams, bool):
+            raise ValueError(f"multiplexed_streams must be true or false, got {self.multiplexed_streams!r}")
         if not isinstance(self.prefix_aware_routing, bool):
             raise ValueError(f"prefix_aware_routing must be true or false, got {self.prefix_aware_routing!r}")
         if not isinstance(self.max_local_prefill_tokens, int) or isinstance(self.max_local_prefill_tokens, bool) \

@@ -90,11 +90,17 @@ class Sample:
 
 
 async def sse_chunks(response: aiohttp.ClientResponse) -> AsyncIterator[tuple[float, dict[str, Any]]]:
-    """The JSON chunks of an OpenAI SSE stream, each with the time its line arrived."""
-    async for raw in response.content:
-        line = raw.decode().strip()
-        if line.startswith("data: ") and line != "data: [DONE]":
-            yield time.perf_counter(), json.loads(line[6:])
+    """The JSON chunks of an OpenAI SSE stream, each with the time its bytes arrived. Reads
+    whatever the socket has and splits events itself (not a readline per line): the client
+    shares the cores with the server it measures, so its own CPU per chunk is kept small."""
+    pending = b""
+    async for data in response.content.iter_any():
+        now = time.perf_counter()
+        *events, pending = (pending + data).split(b"\n\n")
+        for event in events:
+            event = event.strip()
+            if event.startswith(b"data: ") and event != b"data: [DONE]":
+                yield now, json.loads(event[6:])
 
 
 async def stream_one(session: aiohttp.ClientSession, url: str, model: str, prompt: str, max_tokens: int,
@@ -124,13 +130,15 @@ async def stream_one(session: aiohttp.ClientSession, url: str, model: str, promp
     return s
 
 
-async def run_workload(url: str, model: str, workload: Workload, *, api_key: str | None = None,
+async def run_workload(url: str | list[str], model: str, workload: Workload, *, api_key: str | None = None,
                        on_done: Callable[[Sample], None] | None = None,
                        salt: int | None = None, keep_alive: bool = True) -> tuple[dict[str, Any], list[Sample]]:
     """Send the workload's requests, `concurrency` at a time; return its summary and samples.
-    Long prompts are new to the server each run (a random `salt` unless one is given).
+    Long prompts are new to the server each run (a random `salt` unless one is given). Several
+    URLs (one server's replicas without a balancer in front): request i goes to url[i % len].
     `keep_alive=False`: a new connection per request (llama-server closes one after a stream
     while announcing keep-alive, and a POST on the dead connection fails)."""
+    urls = [url] if isinstance(url, str) else url
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     salt = random.SystemRandom().getrandbits(32) if salt is None else salt
     queue = list(range(workload.num_requests))
@@ -141,8 +149,8 @@ async def run_workload(url: str, model: str, workload: Workload, *, api_key: str
         async def worker() -> None:
             while queue:
                 i = queue.pop(0)
-                s = await stream_one(session, url, model, prompt_for(workload, i, salt), workload.max_tokens,
-                                       headers)
+                s = await stream_one(session, urls[i % len(urls)], model, prompt_for(workload, i, salt),
+                                     workload.max_tokens, headers)
                 samples.append(s)
                 if on_done is not None:
                     on_done(s)

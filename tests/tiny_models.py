@@ -33,10 +33,11 @@ VARIANTS = {
 }
 
 
-def build_tiny_model(kind: str, target: Path, tokenizer_from: Path, seed: int = 0) -> Path:
+def build_tiny_model(kind: str, target: Path, tokenizer_from: Path, seed: int = 0, **overrides: object) -> Path:
+    """`overrides`: config fields over COMMON and the variant's (bench/dataplane.py: hidden_size=16)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    kwargs = dict(COMMON, **VARIANTS[kind])
+    kwargs = dict(COMMON, **VARIANTS[kind], **overrides)
     config = AutoConfig.for_model(**kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -12,7 +12,7 @@ from ray.serve.handle import DeploymentHandle
 
 from cluster.config import AppConfig
 from cluster.decode.server import PREFILL_POOL_KEYS, DecodeServer
-from cluster.engine.outputs import TokenDelta
+from cluster.engine.outputs import StreamStart, TokenDelta
 from cluster.pool_replica import PoolReplica, one_torch_thread
 from cluster.kvtransfer.handoff import PrefillHandoff, PrefillReplicaLost, Receiver
 from cluster.sampling_params import SamplingParams
@@ -55,12 +55,20 @@ class DecodeDeployment(PoolReplica):
         self.prefill = ServePrefillClient(prefill) if prefill is not None else None
         self._watcher: asyncio.Task | None = None
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[list[TokenDelta]]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       mux: str | None = None) -> AsyncIterator[list[TokenDelta] | StreamStart]:
+        """R's deltas (DecodeServer.generate); `mux`: the calling router replica, whose channel
+        here (`subscribe`) carries them when open."""
         self._ensure_posting()
         self._ensure_watching()
-        async for deltas in self.server.generate(request_id, prompt_token_ids, params, self.prefill):
+        async for deltas in self.server.generate(request_id, prompt_token_ids, params, self.prefill, mux):
             yield deltas
+
+    async def subscribe(self, router: str, replica_id: str = "") -> AsyncIterator[dict[str, list[TokenDelta]]]:
+        """A router replica's channel: every step's deltas of its requests here, in one message
+        (decode/channels.py). `replica_id` is read by the pool's request router to pin the call here."""
+        async for batch in self.server.channels.serve(router):
+            yield batch
 
     async def check_health(self) -> None:
         self._ensure_watching()  # from the first health check on: placement knows the pool before a request

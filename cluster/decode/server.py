@@ -33,6 +33,7 @@ from typing import Any, AsyncIterator, Sequence
 
 from cluster.autoscaling import BLOCKS_IN_USE, NUM_BLOCKS, REQUESTS
 from cluster.config import AppConfig
+from cluster.decode.channels import Channels
 from cluster.decode.importer import KVImporter
 from cluster.decode.placement import PlacementInputs, PrefillPoolView, StepCosts, place
 from cluster.engine.async_engine import AsyncEngine
@@ -41,7 +42,7 @@ from cluster.kvtransfer.connectors import create_connector
 from cluster.kvtransfer.errors import KVTransferError
 from cluster.kvtransfer.handoff import PrefillClient, PrefillFailed, PrefillHandoff, prefill_with_retries
 from cluster.metrics import ITL_BUCKETS, Histogram
-from cluster.engine.outputs import TokenDelta
+from cluster.engine.outputs import StreamStart, TokenDelta
 from cluster.cache_report import cache_report
 from cluster.sampling_params import SamplingParams
 
@@ -65,6 +66,7 @@ class DecodeServer:
                 # token costs before the first request
                 engine.calibrate()
         self.engine = AsyncEngine(engine)
+        self.channels = Channels()  # the routers' multiplexed token streams
         self.name = ""  # this replica's id, in traces
         self.itl = Histogram(ITL_BUCKETS)  # seconds between a request's tokens, engine clock
         self.counters: Counter[str] = Counter()
@@ -78,12 +80,18 @@ class DecodeServer:
         self._transfer_s = 0.01  # a hand-off's send + receive lately (EWMA), seconds
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                       prefill: PrefillClient | None = None) -> AsyncIterator[list[TokenDelta]]:
-        """R's token deltas; the last one carries R's trace (where and how long each part took)."""
+                       prefill: PrefillClient | None = None,
+                       mux: str | None = None) -> AsyncIterator[list[TokenDelta] | StreamStart]:
+        """R's token deltas; the last one carries R's trace (where and how long each part took).
+        `mux`: the calling router replica's id; R's deltas then go over its channel when it has
+        one open here (decode/channels.py), after a first item that says so."""
         prompt = list(prompt_token_ids)
         stream = self.engine.open(request_id)
         trace: dict[str, Any] = {"decode_replica": self.name}
+        channel = self.channels.open.get(mux) if mux is not None else None
         try:
+            if mux is not None:
+                yield StreamStart(self.name, channel is not None)
             if prefill is None or self.importer is None or self._prefill_here(request_id, prompt, params, trace):
                 try:
                     await self.engine.add_request(request_id, prompt, params)
@@ -103,7 +111,10 @@ class DecodeServer:
                     if outs[-1].num_draft_tokens:
                         delta.trace.update(spec_draft_tokens=outs[-1].num_draft_tokens,
                                            spec_accepted_tokens=outs[-1].num_accepted_tokens)
-                yield [delta]
+                if channel is None:
+                    yield [delta]
+                else:
+                    channel.put(request_id, delta)
         finally:
             if self.connector is not None:
                 self.connector.cancel(request_id)

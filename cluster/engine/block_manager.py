@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from itertools import islice
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -167,16 +168,29 @@ class BlockManager:
     def cached_hashes(self, limit: int) -> list[bytes]:
         """Up to `limit` hashes of cached blocks: those in use first, then free ones, the most
         recently freed (last to be evicted) first. Safe to call from another thread than the
-        one allocating (a snapshot; the copies below do not yield the GIL)."""
-        owners, free, refs = list(self.block_hash.items()), list(self.free_queue), self.ref_counts
+        one allocating: it reads a snapshot of the hashes, and walks the free queue from its back
+        in slices taken whole under the GIL, only as far as the free cached blocks it reports
+        (never the whole queue: with a large cache it holds ~all blocks, most of them uncached);
+        if the owner changes the queue mid-walk, what was found so far is the answer."""
+        owners, refs = list(self.block_hash.items()), self.ref_counts
         hashes = [h for b, h in owners if refs[b] > 0][:limit]
-        named = dict(owners)
-        for block in reversed(free):
-            if len(hashes) >= limit:
-                break
-            h = named.get(block)
-            if h is not None:
-                hashes.append(h)
+        named = {b: h for b, h in owners if refs[b] == 0}
+        wanted = min(limit - len(hashes), len(named))
+        newest_first = reversed(self.free_queue)
+        try:
+            while wanted > 0:
+                part = list(islice(newest_first, 1024))
+                if not part:
+                    break
+                for block in part:
+                    h = named.get(block)
+                    if h is not None:
+                        hashes.append(h)
+                        wanted -= 1
+                        if not wanted:
+                            break
+        except RuntimeError:  # the engine thread changed the free queue between two slices
+            pass
         return hashes
 
     def uncache(self, hashes: list[bytes]) -> None:

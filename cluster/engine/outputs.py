@@ -64,6 +64,19 @@ class PrefillResult:
     num_cached_tokens: int = 0  # prompt tokens the prefill side's prefix cache served
 
 
+class StreamStart(NamedTuple):
+    """The first item of a request's own stream when its router multiplexes (decode/channels.py):
+    which decode replica took it, and whether its deltas come over that router's channel."""
+
+    replica: str
+    multiplexed: bool
+
+
+class ChannelClosed(RuntimeError):
+    """A router's multiplexed channel closed while a request's tokens still went through it
+    (either side raises it); the router takes it as a lost replica and migrates the request."""
+
+
 @dataclass
 class TokenDelta:
     """What a decode replica streams per request: the tokens since the previous delta.
@@ -92,3 +105,17 @@ class TokenDelta:
         return cls("".join(o.outputs[0].delta_text for o in outs), token_ids, logprobs,
                    done.finish_reason, done.stop_reason, len(last.prompt_token_ids), last.num_cached_tokens,
                    prompt_logprobs=last.prompt_logprobs if first else None)
+
+    @classmethod
+    def concat(cls, deltas: list[TokenDelta]) -> TokenDelta:
+        """Consecutive deltas of one request as one: text, tokens and logprobs in order; the
+        finish, stop reason and trace of the last; prompt scores and counts of the first."""
+        if len(deltas) == 1:
+            return deltas[0]
+        first, last = deltas[0], deltas[-1]
+        logprobs = None
+        if any(d.logprobs is not None for d in deltas):
+            logprobs = [e for d in deltas for e in d.logprobs or ()]
+        return cls("".join(d.text for d in deltas), [t for d in deltas for t in d.token_ids], logprobs,
+                   last.finish_reason, last.stop_reason, first.num_prompt_tokens, first.num_cached_tokens,
+                   last.trace, next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None))

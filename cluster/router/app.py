@@ -38,6 +38,7 @@ from cluster.models.default_model import resolve_model_path
 from cluster.engine.outputs import TokenDelta
 from cluster.router import grpc_api, tokenize_api
 from cluster.router.migration import migrating
+from cluster.router.mux import Mux
 from cluster.router.edges import (ClosingStream, HeaderLimits, as_api_error, error_response, read_json,
                                   replica_lost, request_timeout)
 from cluster.router.openai_server import OpenAIServer
@@ -98,6 +99,8 @@ class RouterDeployment:
         self.app_name, self.replica_id = ctx.app_name, ctx.replica_id.unique_id
         self.active = 0  # requests in flight here, streams until their last byte
         self.log = RequestLog(self.replica_id)  # TTFT/e2e histograms, counters, per-request traces
+        # one channel per decode replica carries each step's tokens of all our requests there
+        self.mux = Mux(self._subscribe, self.log.counters) if self.config.multiplexed_streams else None
         configure_trace_logging()
         self._poster: asyncio.Task | None = None
         self.pools = ("DecodePool",) if self.config.mode == "colocated" else ("DecodePool", "PrefillPool")
@@ -110,7 +113,10 @@ class RouterDeployment:
         def start(rid: str, ids: list[int], p: SamplingParams) -> Any:
             # A fresh context: Serve tags handle calls with the HTTP request's internal id, and
             # the n concurrent children of one request must not share it (their streams collide).
-            return contextvars.Context().run(self.decode.generate.remote, rid, ids, p)
+            if self.mux is None:
+                return contextvars.Context().run(self.decode.generate.remote, rid, ids, p)
+            own = contextvars.Context().run(self.decode.generate.remote, rid, ids, p, mux=self.replica_id)
+            return self.mux.stream(rid, own)
 
         moved = {"migrations": 0}
 
@@ -122,6 +128,10 @@ class RouterDeployment:
                            is_lost=replica_lost, on_migrate=on_migrate)
         async for deltas in self.log.track(request_log.current_request_id.get(), request_id, stream, moved):
             yield deltas
+
+    def _subscribe(self, replica: str) -> AsyncIterator[dict[str, list[TokenDelta]]]:
+        """This router's channel on one decode replica (pinned there by `replica_id`)."""
+        return contextvars.Context().run(self.decode.subscribe.remote, self.replica_id, replica_id=replica)
 
     # -- routes ------------------------------------------------------------------------
     @api.get("/health")

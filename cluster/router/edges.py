@@ -12,6 +12,7 @@ from typing import Any
 import ray
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from cluster.engine.outputs import ChannelClosed
 from cluster.kvtransfer.handoff import PrefillFailed
 from cluster.kvtransfer.errors import KVTransferError
 from cluster.router.errors import APIError
@@ -91,7 +92,8 @@ class ClosingStream(StreamingResponse):
 
 
 def replica_lost(exc: BaseException) -> bool:
-    return isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError))
+    """The decode replica is gone, or so is the channel its tokens came over (router/mux.py)."""
+    return isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ChannelClosed))
 
 
 def as_api_error(exc: BaseException) -> APIError:

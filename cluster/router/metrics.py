@@ -87,6 +87,9 @@ LABELED: dict[str, tuple[str, re.Pattern[str], tuple[str, ...]]] = {
                                                       re.compile(r"^spec_accepted_pos_(\d+)$"), ("position",)),
     "tandem:requests_rejected": ("Requests refused before admission, by code.", re.compile(r"^rejected_(\w+)$"),
                                  ("code",)),
+    "tandem:token_streams": ("Streams a router took from the decode pool, by path (multiplexed: over its channel "
+                             "to that replica; own: the request's own stream).",
+                             re.compile(r"^streams_(multiplexed|own)$"), ("path",)),
 }
 HISTOGRAMS = {
     "vllm:time_to_first_token_seconds": "Seconds from the router receiving a request to its first token.",

@@ -55,7 +55,7 @@ async def migrating(start: StartFn, request_id: str, prompt_ids: list[int], para
             on_migrate()
         finally:
             if not done:
-                await _stop(stream)  # the client went away, or the replica did: abort R there
+                await stop_stream(stream)  # the client went away, or the replica did: abort R there
 
 
 def _remaining(params: SamplingParams, sent: int) -> SamplingParams | None:
@@ -70,7 +70,8 @@ def _remaining(params: SamplingParams, sent: int) -> SamplingParams | None:
     )
 
 
-async def _stop(stream: Any) -> None:
+async def stop_stream(stream: Any) -> None:
+    """Close a call's stream: a Serve response generator is cancelled (R is aborted there)."""
     cancel = getattr(stream, "cancel", None)  # a Serve response generator
     if cancel is not None:
         cancel()

@@ -55,40 +55,54 @@ async def within(awaitable: Any, deadline: float | None) -> Any:
 
 
 async def merge_samples(streams: list[AsyncIterator[list[TokenDelta]]]) -> AsyncIterator[tuple[int, TokenDelta]]:
-    """Interleave n children's deltas as (choice index, delta); cancels them all when closed."""
-    if len(streams) == 1:
-        try:
-            async for deltas in streams[0]:
-                for d in deltas:
-                    yield 0, d
-        finally:
-            await streams[0].aclose()
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
+    """Interleave n children's deltas as (choice index, delta); cancels them all when closed.
+
+    Whatever arrived since the reader last looked goes out at once, one delta per choice with its
+    tokens concatenated (TokenDelta.concat): a reader that falls behind (its chunks cost more
+    than a decode step) sends fewer, fuller chunks, and never waits for a token to send one.
+    An error from a child comes out after the tokens that arrived before it."""
+    arrived: list[tuple[int, TokenDelta | BaseException | None]] = []  # None: child j ended
+    ready = asyncio.Event()
 
     async def pump(j: int, s: AsyncIterator[list[TokenDelta]]) -> None:
         try:
             async for deltas in s:
-                for d in deltas:
-                    await queue.put((j, d))
-            await queue.put(done)
+                arrived.extend((j, d) for d in deltas)
+                ready.set()
+            arrived.append((j, None))
         except BaseException as exc:
-            await queue.put(exc)
+            arrived.append((j, exc))
             raise
+        finally:
+            ready.set()
 
     tasks = [asyncio.ensure_future(pump(j, s)) for j, s in enumerate(streams)]
     try:
         remaining = len(tasks)
         while remaining:
-            item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
+            await ready.wait()
+            ready.clear()
+            batch = arrived[:]
+            del arrived[:]
+            per_choice: dict[int, list[TokenDelta]] = {}
+            for j, item in batch:
+                if isinstance(item, TokenDelta):
+                    per_choice.setdefault(j, []).append(item)
+                    continue
+                for k, ds in per_choice.items():  # what came before the end or the error first
+                    yield k, TokenDelta.concat(ds)
+                per_choice.clear()
+                if item is None:
+                    remaining -= 1
+                else:
+                    raise item
+            for k, ds in per_choice.items():
+                yield k, TokenDelta.concat(ds)
     finally:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for s in streams:
+            aclose = getattr(s, "aclose", None)
+            if aclose is not None:
+                await aclose()

@@ -1,5 +1,5 @@
 """The same replies wherever they are made: colocated, disaggregated over each connector,
-prefilled on the decode replica by budget, and with speculative decoding on (a method per
+configs/serve.yaml as shipped (placement by SLO), and with speculative decoding on (a method per
 connector). A local Ray, Ray Serve apps built from configs/, HTTP through the `openai` SDK."""
 
 from __future__ import annotations
@@ -39,6 +39,26 @@ def stop_and_schema(c, model: str) -> list[str]:
     return [stop.choices[0].message.content, shaped.choices[0].message.content]
 
 
+def streamed_steps(c, model: str) -> tuple[str, list[int]]:
+    """A greedy reply streamed with logprobs and usage: its text, and the tokens each chunk
+    carried (a step that accepted drafts sends them all in one chunk)."""
+    text, per_chunk, usage, finish = "", [], None, None
+    for chunk in c.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=24,
+                                           stream=True, logprobs=True, top_logprobs=1,
+                                           stream_options={"include_usage": True}, extra_body={"ignore_eos": True}):
+        if chunk.usage:
+            usage = chunk.usage
+        if chunk.choices and chunk.choices[0].logprobs:
+            entries = chunk.choices[0].logprobs.content
+            assert "".join(e.token for e in entries) == chunk.choices[0].delta.content
+            text += chunk.choices[0].delta.content
+            per_chunk.append(len(entries))
+        if chunk.choices:
+            finish = chunk.choices[0].finish_reason or finish
+    assert finish == "length" and usage.completion_tokens == sum(per_chunk) == 24
+    return text, per_chunk
+
+
 def spec_trace(url: str, rid: str) -> dict:
     from serving import http_request
 
@@ -67,7 +87,7 @@ def test_greedy_identical_colocated_and_every_connector(serve_url, default_model
     connector runs with speculative decoding on (a method each), and colocated with it too: the
     same replies as colocated without it. The default model as its own draft over the
     collective connector has every greedy draft accepted: its draft KV crossed with the prompt's."""
-    outputs, sampled, landed, metrics, decode, shaped = {}, {}, {}, {}, {}, {}
+    outputs, sampled, landed, metrics, decode, shaped, streamed = {}, {}, {}, {}, {}, {}, {}
     budget = "serve.yaml as shipped, placement by SLO"
     for name in ("colocated.yaml", budget, *SPECULATING):
         if name in SPECULATING:
@@ -81,6 +101,8 @@ def test_greedy_identical_colocated_and_every_connector(serve_url, default_model
         decode[name] = next(s for s in replica_stats(serve_url) if s["pool"] == "decode")
         if name in SPECULATING or name == "colocated.yaml":
             shaped[name] = stop_and_schema(c, c.models.list().data[0].id)
+        if name in ("colocated.yaml", "colocated.yaml, ngram"):  # several tokens in one chunk: the SDK reads it
+            streamed[name] = streamed_steps(c, c.models.list().data[0].id)
         if name in SPECULATING:  # the request's trace counts its drafts; usage counts tokens as without
             trace = spec_trace(serve_url, f"spec-{len(shaped)}")
             assert trace["spec_draft_tokens"] >= trace["spec_accepted_tokens"] > 0, (name, trace)
@@ -98,6 +120,9 @@ def test_greedy_identical_colocated_and_every_connector(serve_url, default_model
             crossed = 0 if name == "colocated.yaml, ngram" else len(PROMPTS) + 5  # each prompt's KV
             assert landed[name] == crossed, name
     assert "Paris" in outputs["colocated.yaml"][0] and "Paris" not in shaped["colocated.yaml"][0]
+    # speculation's accepted drafts reach the client in fuller chunks, the same text and logprobs
+    assert streamed["colocated.yaml, ngram"][0] == streamed["colocated.yaml"][0]
+    assert max(streamed["colocated.yaml, ngram"][1]) > 1
     assert json.loads(shaped["colocated.yaml"][1])["city"]
     # the decode replica timed its steps at start; the prompts it kept, it kept by SLO, the rest crossed
     assert total(metrics[budget], "tandem:step_seconds_per_token", pool="decode") > 0

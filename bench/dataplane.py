@@ -1,0 +1,339 @@
+"""Data-plane bench (issue 32): what the serving path keeps of the engine's token rate, and
+what each process spends per token. JSON on stdout.
+
+    PYTHONPATH=. .venv/bin/python bench/dataplane.py [--streams 64,256] [--tokens 256]
+        [--systems disaggregated,colocated] [--routers 1] [--serve-env KEY=VALUE ...]
+        [--skip-engine] [--out FILE]
+
+The model is a tiny random Llama (hidden size 16, one layer, the default model's tokenizer), so
+a step costs little and the path each token takes after the engine is what is measured.
+
+  engine    LLMEngine alone, offline, one thread, with the cluster's engine args: N streams of
+            T tokens (ignore_eos) added at once; tok/s and the process's CPU s per 1k tokens
+  cluster   configs/serve.yaml (disaggregated) and configs/colocated.yaml on a local Ray
+            (num_cpus 2), the tiny model, max_num_seqs N; N concurrent streaming chat requests
+            of T tokens from one client process on the same cores (cluster/loadgen.py: aiohttp,
+            raw SSE split): delivered tok/s, tokens per chunk, ITL p50/p99 (gap between chunks
+            carrying text), and per process CPU s per 1k delivered tokens (utime + stime from
+            /proc/PID/stat around the load): Serve's proxy, router, decode and prefill replicas,
+            Serve's controller, the rest of Ray (raylet, GCS, stats board), the client
+  ratio     delivered / engine alone at the same N (issue 32's target: >= 0.8)
+
+`--serve-env` sets variables for the whole local Ray (proxy and replicas inherit them), e.g.
+RAY_SERVE_THROUGHPUT_OPTIMIZED=1; `--routers` the Router deployment's replicas.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cluster.loadgen import Workload, prompt_for, run_workload  # noqa: E402
+from local_cluster import ROOT, deployed, emit, local_ray, stdout_for_json_only  # noqa: E402
+from serve import machine, wait_http  # noqa: E402
+
+SYSTEMS = {"disaggregated": "configs/serve.yaml", "colocated": "configs/colocated.yaml"}
+TINY = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1)
+TARGET = 0.8
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def log(msg: str) -> None:
+    print(f"[bench/dataplane {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def tiny_model() -> Path:
+    """The tiny random Llama's folder, built once under the default model's cache."""
+    from cluster.models.default_model import ensure_default_model
+
+    default = ensure_default_model(progress=False)
+    target = default.parent / "tiny-llama-h16-l1"
+    if not (target / "config.json").is_file():
+        sys.path.insert(0, str(ROOT / "tests"))
+        from tiny_models import build_tiny_model
+
+        build_tiny_model("llama", target, default, **TINY)
+    return target
+
+
+def app_args(config: str, model: Path, max_seqs: int) -> dict[str, Any]:
+    """The config's app args with the tiny model and room for every stream in one batch."""
+    from cluster.serve_config import load_yaml
+
+    args = load_yaml(ROOT / config)["applications"][0]["args"]
+    return {"model": str(model), "engine": {**args.get("engine", {}), "max_num_seqs": max_seqs}}
+
+
+def chat_prompts(model: Path, n: int, workload: Workload) -> list[list[int]]:
+    from cluster.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(model)
+    return [tok.encode_chat([{"role": "user", "content": prompt_for(workload, i)}]) for i in range(n)]
+
+
+# -- the engine alone ------------------------------------------------------------------
+def engine_alone(args: dict[str, Any], model: Path, streams: list[int], tokens: int) -> dict[str, Any]:
+    import torch
+
+    from cluster.config import AppConfig
+    from cluster.engine.engine import LLMEngine
+    from cluster.sampling_params import SamplingParams
+
+    torch.set_num_threads(1)
+    engine = LLMEngine(AppConfig.from_args(args).engine)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+
+    def run(prompts: list[list[int]]) -> int:
+        for i, p in enumerate(prompts):
+            engine.add_request(f"e{time.perf_counter_ns()}-{i}", p, params)
+        produced = 0
+        while engine.has_unfinished_requests():
+            produced += sum(len(o.outputs[0].delta_token_ids) for o in engine.step())
+        return produced
+
+    out = {}
+    for n in streams:
+        prompts = chat_prompts(model, n, Workload(f"streams{n}", n, n, tokens))
+        run(prompts[:8])  # warm-up
+        wall, cpu = time.perf_counter(), time.process_time()
+        produced = run(prompts)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        out[str(n)] = {"tokens": produced, "wall_s": round(wall, 2), "tok_s": round(produced / wall, 1),
+                       "cpu_s_per_1k_tokens": round(cpu / produced * 1e3, 4)}
+        log(f"engine alone, {n} streams: {json.dumps(out[str(n)])}")
+    return out
+
+
+# -- CPU per process, from /proc -------------------------------------------------------
+def _stat(pid: int) -> tuple[int, float] | None:
+    """(parent pid, utime + stime in seconds)"""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / TICK
+
+
+def _role(pid: int) -> str:
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "gone"
+    for key, role in (("ProxyActor", "proxy"), (":Router", "router"), (":DecodePool", "decode"),
+                      (":PrefillPool", "prefill"), ("ServeController", "controller")):
+        if key in cmd:
+            return role
+    return "ray_other"
+
+
+def ray_processes() -> dict[int, str]:
+    """pid → role for every process of this session's Ray: its daemons and their descendants."""
+    import ray
+
+    node = ray._private.worker._global_node
+    roots = {info.process.pid for infos in node.all_processes.values() for info in infos if info.process}
+    parent = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (st := _stat(int(entry))) is not None:
+            parent[int(entry)] = st[0]
+    ours = set(roots)
+    changed = True
+    while changed:
+        new = {p for p, pp in parent.items() if pp in ours and p not in ours}
+        ours |= new
+        changed = bool(new)
+    return {p: _role(p) for p in ours}
+
+
+def cpu_seconds(pids: dict[int, str]) -> dict[int, float]:
+    return {p: st[1] for p in pids if (st := _stat(p)) is not None}
+
+
+def direct_urls() -> list[str]:
+    """The router replicas' own HTTP listeners (Serve's direct ingress: a port each, in its range)."""
+    from ray.serve._private.constants import (RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT as hi,
+                                              RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT as lo)
+
+    routers = {p for p, role in ray_processes().items() if role == "router"}
+    inodes = set()
+    for pid in routers:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+    ports = []
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state, inode = line.split()[1], line.split()[3], line.split()[9]
+        port = int(local.split(":")[1], 16)
+        if state == "0A" and inode in inodes and lo <= port < hi:  # 0A: LISTEN
+            ports.append(port)
+    if len(ports) != len(routers):
+        raise RuntimeError(f"found {len(ports)} direct-ingress ports for {len(routers)} router replicas "
+                           "(is RAY_SERVE_THROUGHPUT_OPTIMIZED=1 set via --serve-env?)")
+    return [f"http://127.0.0.1:{p}" for p in sorted(ports)]
+
+
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine has been busy (every core, every process)."""
+    user, nice, system, idle, iowait, irq, softirq, steal = map(int, Path("/proc/stat").read_text().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / TICK
+
+
+# -- the client, in a process of its own (its CPU is its own) --------------------------
+def client_main(urls: list[str], model: str, streams: int, tokens: int) -> None:
+    """Imports done, say "ready" and wait for "go" on stdin: the measured window holds the load alone."""
+    workload = Workload(f"streams{streams}", num_requests=streams, concurrency=streams, max_tokens=tokens)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    summary, _ = asyncio.run(run_workload(urls, model, workload))
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    summary["client_cpu_s"] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    print(json.dumps(summary), flush=True)
+
+
+def measure_load(urls: list[str], model: str, streams: int, tokens: int, profile: Path | None = None) -> dict[str, Any]:
+    """One load from a client process of its own, and what every process spent on it.
+    `profile`: py-spy samples each Serve process during the load, collapsed stacks written there."""
+    cmd = [sys.executable, __file__, "--client", ",".join(urls), "--model-name", model, "--streams", str(streams),
+           "--tokens", str(tokens)]
+    client = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert client.stdin is not None and client.stdout is not None
+    if client.stdout.readline().strip() != "ready":
+        raise RuntimeError(f"the client failed to start ({client.wait()})")
+    pids = ray_processes()
+    spies = [] if profile is None else [
+        subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "-p", str(pid), "-r", "50", "-f", "raw",
+                          "--threads", "--nonblocking", "-o", str(profile / f"{streams}-{role}-{pid}.txt")],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for pid, role in pids.items() if role in ("proxy", "router", "decode", "prefill")]
+    time.sleep(1 if spies else 0)
+    before, busy, wall = cpu_seconds(pids), machine_busy_s(), time.perf_counter()
+    client.stdin.write("go\n")
+    client.stdin.flush()
+    line = client.stdout.readline()
+    after, busy, wall = cpu_seconds(pids), machine_busy_s() - busy, time.perf_counter() - wall
+    for spy in spies:
+        spy.send_signal(signal.SIGINT)
+        spy.wait(timeout=60)
+    if client.wait(timeout=60) != 0 or not line:
+        raise RuntimeError(f"the client failed ({client.returncode})")
+    summary = json.loads(line)
+    tokens_out = summary["completion_tokens"] or 1
+    per_role: dict[str, float] = {}
+    for p, role in pids.items():
+        if p in before and p in after:
+            per_role[role] = per_role.get(role, 0.0) + after[p] - before[p]
+    per_role["client"] = summary.pop("client_cpu_s")
+    per_1k = {role: round(s / tokens_out * 1e3, 4) for role, s in sorted(per_role.items())}
+    per_1k["total"] = round(sum(per_role.values()) / tokens_out * 1e3, 4)
+    return {**summary, "cpu_s_per_1k_tokens": per_1k,
+            "processes": {role: sum(1 for r in pids.values() if r == role) for role in sorted(set(pids.values()))},
+            "machine_busy_cores": round(busy / wall, 2)}
+
+
+def stream_paths(url: str) -> dict[str, float]:
+    """The routers' tandem:token_streams counters so far (multiplexed / own), from /metrics."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    found: dict[str, float] = {}
+    for path, value in re.findall(r'^tandem:token_streams_total\{[^}]*path="(\w+)"[^}]*\} (\S+)$', text, re.M):
+        found[path] = found.get(path, 0.0) + float(value)
+    return found
+
+
+def cluster(system: str, args: dict[str, Any], model: Path, streams: list[int], tokens: int,
+            routers: int, url: str, profile: Path | None, direct: bool) -> dict[str, Any]:
+    config = SYSTEMS[system]
+    n = max(streams)
+    pools = {"Router": {"num_replicas": routers}, "DecodePool": {"max_ongoing_requests": n},
+             "PrefillPool": {"max_ongoing_requests": n}}
+    log(f"{system}: deploying {config} with the tiny model, {routers} router replica(s)")
+    out: dict[str, Any] = {"config": config, "routers": routers}
+    with deployed(config, args, pools):
+        wait_http(f"{url}/health", 120)
+        warm = Workload("warmup", num_requests=8, concurrency=8, max_tokens=16)
+        summary, _ = asyncio.run(run_workload(url, model.name, warm))
+        if summary["errors"]:
+            raise RuntimeError(f"warm-up failed: {summary}")
+        urls = direct_urls() if direct else [url]
+        out["urls"] = urls
+        for s in streams:
+            spy_dir = None
+            if profile is not None:
+                (spy_dir := profile / system).mkdir(parents=True, exist_ok=True)
+            out[str(s)] = measure_load(urls, model.name, s, tokens, spy_dir)
+            out[str(s)]["token_streams"] = stream_paths(url)
+            log(f"{system}, {s} streams: {json.dumps(out[str(s)])}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--streams", default="64,256", help="comma-separated concurrent streams (default 64,256)")
+    p.add_argument("--tokens", type=int, default=256, help="tokens per stream (default 256)")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated: " + ", ".join(SYSTEMS))
+    p.add_argument("--routers", type=int, default=1, help="Router replicas (default 1)")
+    p.add_argument("--serve-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="an environment variable for the local Ray and every process it starts")
+    p.add_argument("--direct", action="store_true",
+                   help="the client talks to each router replica's own HTTP port (Serve's direct ingress, "
+                        "on under RAY_SERVE_THROUGHPUT_OPTIMIZED=1), not through Serve's proxy")
+    p.add_argument("--skip-engine", action="store_true", help="no engine-alone run (no ratios)")
+    p.add_argument("--out", help="also write the JSON here")
+    p.add_argument("--profile", help="py-spy each Serve process during every load (its CPU figures then "
+                                      "include py-spy's cost); collapsed stacks under this folder")
+    p.add_argument("--client", help=argparse.SUPPRESS)  # internal: run the load against this URL
+    p.add_argument("--model-name", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    streams = [int(s) for s in args.streams.split(",")]
+    if args.client:
+        client_main(args.client.split(","), args.model_name, streams[0], args.tokens)
+        return None
+    serve_env = dict(kv.split("=", 1) for kv in args.serve_env)
+    os.environ.update(serve_env)
+    model = tiny_model()
+    base = app_args(SYSTEMS["disaggregated"], model, max(streams))
+    result: dict[str, Any] = {
+        "bench": "dataplane", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]), "model": {"path": str(model), **TINY},
+        "tokens_per_stream": args.tokens, "engine_args": base["engine"], "serve_env": serve_env}
+    with stdout_for_json_only():
+        if not args.skip_engine:
+            result["engine_alone"] = engine_alone(base, model, streams, args.tokens)
+        systems: dict[str, Any] = {}
+        with local_ray(os.cpu_count() or 2) as url:
+            for system in args.systems.split(","):
+                systems[system] = cluster(system, app_args(SYSTEMS[system], model, max(streams)), model, streams,
+                                          args.tokens, args.routers, url,
+                                          Path(args.profile) if args.profile else None, args.direct)
+    result["systems"] = systems
+    if "engine_alone" in result:
+        result["delivered_vs_engine"] = {
+            system: {s: round(r[s]["out_tok_s"] / result["engine_alone"][s]["tok_s"], 3) for s in map(str, streams)}
+            for system, r in systems.items()}
+        result["target"] = TARGET
+    return emit(result, args.out)
+
+
+if __name__ == "__main__":
+    main()

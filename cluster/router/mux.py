@@ -1,0 +1,122 @@
+"""The router's side of the multiplexed token streams (decode/channels.py): one subscription per
+decode replica carrying every step's deltas of this router's requests there, spread into one
+buffer per request. Plain object: the Serve calls are injected.
+
+    stream(R, own)   own = R's generate call (mux=this router): its first item, StreamStart,
+                     names R's decode replica (subscribed to on first sight) and R's path;
+                     R's deltas come from the channel or from `own`, never both, and each read
+                     takes all that arrived since the last one (several steps when behind)
+    closing stream(R) before R's last token closes `own`: R is aborted on its replica, as
+                     without channels (after it, `own` is left to end by itself)
+    a subscription that ends fails the requests on it with ChannelClosed (the router migrates
+    them like requests of a lost replica); `own` failing fails R whatever its path
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from typing import Any, AsyncIterator, Callable
+
+from cluster.engine.outputs import ChannelClosed, StreamStart, TokenDelta
+from cluster.router.migration import stop_stream
+
+Batch = dict[str, list[TokenDelta]]
+
+
+class _Buffer:
+    def __init__(self) -> None:
+        self.deltas: list[TokenDelta] = []
+        self.via: str | None = None  # the replica whose channel carries R
+        self.finished = False
+        self.error: BaseException | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, deltas: list[TokenDelta]) -> None:
+        self.deltas.extend(deltas)
+        self.finished = self.finished or any(d.finish_reason is not None for d in deltas)
+        self.ready.set()
+
+    def fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+        self.ready.set()
+
+
+class Mux:
+    def __init__(self, subscribe: Callable[[str], AsyncIterator[Batch]], counters: Counter | None = None) -> None:
+        self.subscribe = subscribe  # decode replica id → its stream of batches for this router
+        self.counters: Counter[str] = Counter() if counters is None else counters  # streams_{multiplexed,own}
+        self.channels: dict[str, asyncio.Task] = {}
+        self.waiting: dict[str, _Buffer] = {}  # request id → its buffer
+        self._draining: set[asyncio.Task] = set()  # finished requests' own streams, ending
+
+    async def stream(self, request_id: str, own: Any) -> AsyncIterator[list[TokenDelta]]:
+        buf = self.waiting[request_id] = _Buffer()
+        reader = asyncio.ensure_future(self._read_own(own, buf))
+        try:
+            while True:
+                await buf.ready.wait()
+                buf.ready.clear()
+                deltas, buf.deltas = buf.deltas, []
+                if deltas:
+                    yield deltas
+                if buf.finished:
+                    return
+                if buf.error is not None:
+                    raise buf.error
+        finally:
+            if self.waiting.get(request_id) is buf:
+                del self.waiting[request_id]
+            if buf.finished and buf.error is None:  # R is done: its own stream ends by itself
+                self._draining.add(reader)
+                reader.add_done_callback(self._draining.discard)
+            else:  # the client went away, or R failed: abort R wherever it is
+                reader.cancel()
+                await asyncio.gather(reader, return_exceptions=True)
+                await stop_stream(own)
+
+    async def _read_own(self, own: Any, buf: _Buffer) -> None:
+        try:
+            async for item in own:
+                if isinstance(item, StreamStart):
+                    self._start(item, buf)
+                else:
+                    buf.put(item)
+        except Exception as exc:
+            buf.fail(exc)
+            return
+        if buf.via is None and not buf.finished:
+            buf.fail(RuntimeError("the decode stream ended before its last token"))
+
+    def _start(self, start: StreamStart, buf: _Buffer) -> None:
+        live = start.replica in self.channels
+        if not live:
+            self.channels[start.replica] = asyncio.ensure_future(self._pump(start.replica))
+        self.counters["streams_multiplexed" if start.multiplexed else "streams_own"] += 1
+        if start.multiplexed:
+            buf.via = start.replica
+            if not live:  # the replica has a channel of ours we no longer read
+                buf.fail(ChannelClosed(f"no open channel to decode replica {start.replica}"))
+
+    async def _pump(self, replica: str) -> None:
+        try:
+            async for batch in self.subscribe(replica):
+                for rid, deltas in batch.items():
+                    buf = self.waiting.get(rid)
+                    if buf is not None:
+                        buf.put(deltas)
+        except Exception:
+            pass
+        finally:
+            del self.channels[replica]
+            for buf in self.waiting.values():
+                if buf.via == replica and not buf.finished:
+                    buf.fail(ChannelClosed(f"the channel to decode replica {replica} closed"))
+
+    async def close(self) -> None:
+        tasks = list(self.channels.values())
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+

@@ -1,0 +1,143 @@
+"""Multiplexed token streams without Ray (decode/channels.py, router/mux.py): a request's deltas
+come over its router's channel or its own stream, never lost between them; what arrived since
+the last read comes out at once; a channel that closes fails its requests as a lost replica
+would; closing a request's stream closes its call (the abort)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cluster.decode.channels import Channels
+from cluster.engine.outputs import ChannelClosed, StreamStart, TokenDelta
+from cluster.router.mux import Mux
+
+
+async def settle() -> None:
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+class Call:
+    """A request's own stream (its generate call): items the test puts in; records its closing."""
+
+    def __init__(self) -> None:
+        self.items: asyncio.Queue = asyncio.Queue()
+        self.closed = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        item = await self.items.get()
+        if item is None:
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+def d(text: str, finish: str | None = None) -> TokenDelta:
+    return TokenDelta(text, [len(text)], finish_reason=finish)
+
+
+def test_first_on_its_own_stream_then_over_the_channel_several_steps_in_one_read():
+    async def go():
+        channels = Channels()
+        subscribed = []
+
+        def subscribe(replica: str):
+            subscribed.append(replica)
+            return channels.serve("router-1")
+
+        mux = Mux(subscribe)
+        first = Call()
+        a = mux.stream("a", first)
+        first.items.put_nowait(StreamStart("d0", False))  # no channel there yet: its own stream
+        first.items.put_nowait([d("x")])
+        got_a = [await a.__anext__()]
+        await settle()
+        assert subscribed == ["d0"] and "router-1" in channels.open
+        second = Call()
+        b = mux.stream("b", second)
+        reading = asyncio.ensure_future(b.__anext__())
+        second.items.put_nowait(StreamStart("d0", True))
+        await settle()
+        channel = channels.open["router-1"]
+        channel.put("b", d("he"))
+        await settle()
+        got_b = [await reading]
+        for text in ("ll", "o"):  # two steps before the reader looks again
+            channel.put("b", d(text))
+            await settle()
+        first.items.put_nowait([d("y", "length")])
+        got_b.append(await b.__anext__())
+        got_a.append(await a.__anext__())
+        second.items.put_nowait(None)  # b's own stream ends before its last delta arrives
+        await settle()
+        channel.put("b", d("!", "stop"))
+        got_b.append(await b.__anext__())
+        for s in (a, b):
+            with pytest.raises(StopAsyncIteration):
+                await s.__anext__()
+        await mux.close()
+        return got_a, got_b, subscribed, channels.open
+
+    got_a, got_b, subscribed, still_open = asyncio.run(go())
+    assert [[x.text for x in item] for item in got_a] == [["x"], ["y"]]
+    assert [[x.text for x in item] for item in got_b] == [["he"], ["ll", "o"], ["!"]]
+    assert subscribed == ["d0"] and still_open == {}  # one subscription; closed with the mux
+
+
+def test_a_channel_that_closes_fails_its_requests_as_a_lost_replica():
+    async def go():
+        channels = Channels()
+        mux = Mux(lambda replica: channels.serve("r"))
+        warm = Call()
+        w = mux.stream("w", warm)
+        warm.items.put_nowait(StreamStart("d0", False))
+        warm.items.put_nowait([d("ok", "stop")])
+        await w.__anext__()
+        await settle()
+        call = Call()
+        s = mux.stream("s", call)
+        reading = asyncio.ensure_future(s.__anext__())
+        call.items.put_nowait(StreamStart("d0", True))
+        await settle()
+        channel = channels.open["r"]
+        channel.put("s", d("a"))
+        first = await reading
+        mux.channels["d0"].cancel()  # the subscription is gone
+        with pytest.raises(ChannelClosed):
+            await s.__anext__()
+        await settle()
+        with pytest.raises(ChannelClosed):
+            channel.put("s", d("b"))  # the decode side sees it too: it fails R there
+        return first, call.closed
+
+    first, closed = asyncio.run(go())
+    assert [x.text for x in first] == ["a"] and closed
+
+
+def test_closing_a_stream_closes_its_call_and_an_error_on_it_is_raised():
+    async def go():
+        mux = Mux(lambda replica: Channels().serve("r"))
+        call = Call()
+        s = mux.stream("s", call)
+        call.items.put_nowait([d("a")])
+        await s.__anext__()
+        await s.aclose()  # the client went away
+        broken = Call()
+        t = mux.stream("t", broken)
+        broken.items.put_nowait(RuntimeError("engine failed"))
+        with pytest.raises(RuntimeError, match="engine failed"):
+            await t.__anext__()
+        await mux.close()
+        return call.closed, broken.closed, mux.waiting
+
+    closed, broken_closed, waiting = asyncio.run(go())
+    assert closed and broken_closed and waiting == {}
