@@ -66,3 +66,8 @@ class DecodeDeployment(PoolReplica):
         (decode/channels.py). `replica_id` is read by the pool's request router to pin the call here."""
         async for batch in self.server.channels.serve(router):
             yield batch
+
+    async def cancel(self, request_id: str, replica_id: str = "") -> bool:
+        """Abort R, whose tokens go over a channel (its own stream carries nothing Serve would
+        notice a cancel on); `replica_id` pins the call here."""
+        return self.server.channels.cancel(request_id)
