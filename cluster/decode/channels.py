@@ -8,7 +8,10 @@ token per request.
                                                       when it has one open here, else on R's own
                                                       stream as before (never both)
 
-R's own stream stays open until R finishes: closing it is what aborts R, as without channels.
+R's own stream stays open until R finishes, but carries nothing after its first item, and Serve
+notices a caller's cancel of a stream only when it next writes to it: so the router aborts R by
+a call (`cancel`, pinned to this replica), and a channel that closes (its router went away or
+gave it up) cancels every request still on it.
 A batch is {request id: [deltas]}, everything put since the subscriber last looked: the deltas
 of one engine step arrive together (AsyncEngine hands a step's outputs to the loop at once),
 so a router gets one message per step whatever the number of its streams. A channel that
@@ -28,6 +31,7 @@ class Channel:
     def __init__(self) -> None:
         self.pending: dict[str, list[TokenDelta]] = {}
         self.closed = False
+        self.tasks: dict[str, asyncio.Task] = {}  # request id → the task streaming it here
         self._ready = asyncio.Event()
 
     def put(self, request_id: str, delta: TokenDelta) -> None:
@@ -50,6 +54,15 @@ class Channels:
     def __init__(self) -> None:
         self.open: dict[str, Channel] = {}
 
+    def cancel(self, request_id: str) -> bool:
+        """Cancel R's generate call on whichever channel carries it (R is aborted there)."""
+        for channel in self.open.values():
+            task = channel.tasks.get(request_id)
+            if task is not None:
+                task.cancel()
+                return True
+        return False
+
     async def serve(self, router: str) -> AsyncIterator[dict[str, list[TokenDelta]]]:
         """The router's batches until it closes the stream (a newer subscription of the same
         router takes over the name; requests already on this one stay on it)."""
@@ -61,3 +74,5 @@ class Channels:
             channel.closed = True
             if self.open.get(router) is channel:
                 del self.open[router]
+            for task in channel.tasks.values():  # nobody reads their tokens any more
+                task.cancel()

@@ -70,6 +70,11 @@ class DecodeDeployment(PoolReplica):
         async for batch in self.server.channels.serve(router):
             yield batch
 
+    async def cancel(self, request_id: str, replica_id: str = "") -> bool:
+        """Abort R, whose tokens go over a channel (its own stream carries nothing Serve would
+        notice a cancel on); `replica_id` pins the call here."""
+        return self.server.channels.cancel(request_id)
+
     async def check_health(self) -> None:
         self._ensure_watching()  # from the first health check on: placement knows the pool before a request
         await super().check_health()

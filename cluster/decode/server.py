@@ -89,6 +89,8 @@ class DecodeServer:
         stream = self.engine.open(request_id)
         trace: dict[str, Any] = {"decode_replica": self.name}
         channel = self.channels.open.get(mux) if mux is not None else None
+        if channel is not None:
+            channel.tasks[request_id] = asyncio.current_task()  # Channels.cancel aborts R through it
         try:
             if mux is not None:
                 yield StreamStart(self.name, channel is not None)
@@ -116,6 +118,8 @@ class DecodeServer:
                 else:
                     channel.put(request_id, delta)
         finally:
+            if channel is not None:
+                channel.tasks.pop(request_id, None)
             if self.connector is not None:
                 self.connector.cancel(request_id)
             # Closing runs as its own task: a caller that cancels us again while we wait must not

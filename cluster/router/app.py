@@ -100,7 +100,7 @@ class RouterDeployment:
         self.active = 0  # requests in flight here, streams until their last byte
         self.log = RequestLog(self.replica_id)  # TTFT/e2e histograms, counters, per-request traces
         # one channel per decode replica carries each step's tokens of all our requests there
-        self.mux = Mux(self._subscribe, self.log.counters) if self.config.multiplexed_streams else None
+        self.mux = Mux(self._subscribe, self._cancel, self.log.counters) if self.config.multiplexed_streams else None
         configure_trace_logging()
         self._poster: asyncio.Task | None = None
         self.pools = ("DecodePool",) if self.config.mode == "colocated" else ("DecodePool", "PrefillPool")
@@ -132,6 +132,10 @@ class RouterDeployment:
     def _subscribe(self, replica: str) -> AsyncIterator[dict[str, list[TokenDelta]]]:
         """This router's channel on one decode replica (pinned there by `replica_id`)."""
         return contextvars.Context().run(self.decode.subscribe.remote, self.replica_id, replica_id=replica)
+
+    async def _cancel(self, replica: str, request_id: str) -> None:
+        """Abort a multiplexed request on its decode replica (pinned there by `replica_id`)."""
+        await contextvars.Context().run(self.stats_handle.cancel.remote, request_id, replica_id=replica)
 
     # -- routes ------------------------------------------------------------------------
     @api.get("/health")

@@ -6,8 +6,9 @@ buffer per request. Plain object: the Serve calls are injected.
                      names R's decode replica (subscribed to on first sight) and R's path;
                      R's deltas come from the channel or from `own`, never both, and each read
                      takes all that arrived since the last one (several steps when behind)
-    closing stream(R) before R's last token closes `own`: R is aborted on its replica, as
-                     without channels (after it, `own` is left to end by itself)
+    closing stream(R) before R's last token closes `own` and, for R on a channel, calls `cancel`
+                     on its replica (Serve notices a cancel only on a stream's next write, and
+                     R's own stream has none): R is aborted there. After it, `own` ends by itself
     a subscription that ends fails the requests on it with ChannelClosed (the router migrates
     them like requests of a lost replica); `own` failing fails R whatever its path
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from cluster.engine.outputs import ChannelClosed, StreamStart, TokenDelta
 from cluster.router.migration import stop_stream
@@ -44,8 +45,10 @@ class _Buffer:
 
 
 class Mux:
-    def __init__(self, subscribe: Callable[[str], AsyncIterator[Batch]], counters: Counter | None = None) -> None:
+    def __init__(self, subscribe: Callable[[str], AsyncIterator[Batch]],
+                 cancel: Callable[[str, str], Awaitable[Any]], counters: Counter | None = None) -> None:
         self.subscribe = subscribe  # decode replica id → its stream of batches for this router
+        self.cancel = cancel  # (decode replica id, request id) → abort R there
         self.counters: Counter[str] = Counter() if counters is None else counters  # streams_{multiplexed,own}
         self.channels: dict[str, asyncio.Task] = {}
         self.waiting: dict[str, _Buffer] = {}  # request id → its buffer
@@ -69,12 +72,18 @@ class Mux:
             if self.waiting.get(request_id) is buf:
                 del self.waiting[request_id]
             if buf.finished and buf.error is None:  # R is done: its own stream ends by itself
-                self._draining.add(reader)
-                reader.add_done_callback(self._draining.discard)
+                self._background(reader)
             else:  # the client went away, or R failed: abort R wherever it is
+                if buf.via is not None:  # a cancel of `own` reaches nobody: Serve would see it on a write
+                    self._background(self.cancel(buf.via, request_id))
                 reader.cancel()
                 await asyncio.gather(reader, return_exceptions=True)
                 await stop_stream(own)
+
+    def _background(self, call: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(call)
+        self._draining.add(task)
+        task.add_done_callback(self._draining.discard)
 
     async def _read_own(self, own: Any, buf: _Buffer) -> None:
         try:

@@ -41,6 +41,10 @@ class Call:
         self.closed = True
 
 
+async def no_cancel(replica: str, request_id: str) -> None:
+    raise AssertionError(f"nothing to cancel: {request_id} on {replica}")
+
+
 def d(text: str, finish: str | None = None) -> TokenDelta:
     return TokenDelta(text, [len(text)], finish_reason=finish)
 
@@ -54,7 +58,7 @@ def test_first_on_its_own_stream_then_over_the_channel_several_steps_in_one_read
             subscribed.append(replica)
             return channels.serve("router-1")
 
-        mux = Mux(subscribe)
+        mux = Mux(subscribe, no_cancel)
         first = Call()
         a = mux.stream("a", first)
         first.items.put_nowait(StreamStart("d0", False))  # no channel there yet: its own stream
@@ -96,7 +100,7 @@ def test_first_on_its_own_stream_then_over_the_channel_several_steps_in_one_read
 def test_a_channel_that_closes_fails_its_requests_as_a_lost_replica():
     async def go():
         channels = Channels()
-        mux = Mux(lambda replica: channels.serve("r"))
+        mux = Mux(lambda replica: channels.serve("r"), no_cancel)
         warm = Call()
         w = mux.stream("w", warm)
         warm.items.put_nowait(StreamStart("d0", False))
@@ -125,7 +129,7 @@ def test_a_channel_that_closes_fails_its_requests_as_a_lost_replica():
 
 def test_closing_a_stream_closes_its_call_and_an_error_on_it_is_raised():
     async def go():
-        mux = Mux(lambda replica: Channels().serve("r"))
+        mux = Mux(lambda replica: Channels().serve("r"), no_cancel)
         call = Call()
         s = mux.stream("s", call)
         call.items.put_nowait([d("a")])
@@ -141,3 +145,46 @@ def test_closing_a_stream_closes_its_call_and_an_error_on_it_is_raised():
 
     closed, broken_closed, waiting = asyncio.run(go())
     assert closed and broken_closed and waiting == {}
+
+
+def test_a_multiplexed_request_closed_early_is_cancelled_on_its_replica_and_a_closed_channel_cancels_its_own():
+    """Serve sees a caller's cancel of a stream only on its next write, and a multiplexed
+    request's own stream has none: the router calls `cancel` on its replica, and a channel that
+    closes cancels the requests still on it (decode side)."""
+    async def go():
+        channels = Channels()
+        cancelled = []
+
+        async def cancel(replica: str, request_id: str) -> None:
+            cancelled.append((replica, request_id, channels.cancel(request_id)))
+
+        mux = Mux(lambda replica: channels.serve("r"), cancel)
+        warm = Call()
+        w = mux.stream("w", warm)
+        warm.items.put_nowait(StreamStart("d0", False))
+        warm.items.put_nowait([d("ok", "stop")])
+        await w.__anext__()
+        await settle()
+        waiting = asyncio.Event()
+
+        async def decoding(rid: str) -> None:  # stands for DecodeServer.generate on the channel path
+            channels.open["r"].tasks[rid] = asyncio.current_task()
+            await waiting.wait()
+
+        runs = {rid: asyncio.ensure_future(decoding(rid)) for rid in ("s", "t")}
+        call = Call()
+        s = mux.stream("s", call)
+        reading = asyncio.ensure_future(s.__anext__())
+        call.items.put_nowait(StreamStart("d0", True))
+        await settle()
+        channels.open["r"].put("s", d("a"))
+        await reading
+        await s.aclose()  # the client hung up
+        await settle()
+        await mux.close()  # the router's channel closes: what is still on it is cancelled
+        await settle()
+        return cancelled, call.closed, {rid: r.cancelled() for rid, r in runs.items()}
+
+    cancelled, closed, runs = asyncio.run(go())
+    assert cancelled == [("d0", "s", True)] and closed
+    assert runs == {"s": True, "t": True}
