@@ -34,6 +34,13 @@ def args_of(config_file: str) -> dict[str, Any]:
     return {**args, "ttft_slo_ms": 0, "itl_slo_ms": 0} if "ttft_slo_ms" in args or "itl_slo_ms" in args else args
 
 
+def hand_off_config(config_file: str) -> dict[str, Any]:
+    """The whole Serve config, its app args as `args_of` gives them (placement by SLO off)."""
+    config = load_config(config_file)
+    config["applications"][0]["args"] = args_of(config_file)
+    return config
+
+
 def shipped_args(config_file: str) -> dict[str, Any]:
     return load_config(config_file)["applications"][0]["args"]
 

@@ -14,14 +14,14 @@ import time
 
 import pytest
 
-from serving import (APP, SteadyStream, apply_config, client, http_request, load_config, replica_stats,
+from serving import (APP, SteadyStream, apply_config, client, http_request, hand_off_config, load_config, replica_stats,
                      running_replicas, wait_for)
 
 pytestmark = pytest.mark.slow
 
 def sized(prefill: int, decode: int) -> dict:
     """configs/serve.yaml with these pool sizes, each pool replica on half a core (3 fit on 2 CPUs)."""
-    config = load_config("serve.yaml")
+    config = hand_off_config("serve.yaml")
     app = config["applications"][0]
     app["args"]["engine"]["cpu_kv_cache_bytes"] = 128 << 20
     for d in app["deployments"]:

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from serving import (APP, apply_config, args_of, client, deploy, load_config, replica_stats, running_replicas,
+from serving import (APP, apply_config, args_of, client, deploy, hand_off_config, replica_stats, running_replicas,
                      scrape, settled, total, wait_for)
 
 pytestmark = pytest.mark.slow
@@ -268,9 +268,9 @@ def test_each_request_is_traced_under_its_id(disaggregated):
     assert lines == [trace]
 
     # two router replicas: whichever one a lookup lands on knows every request's trace
-    from serving import apply_config, load_config, running_replicas, wait_for
+    from serving import apply_config, hand_off_config, running_replicas, wait_for
 
-    config = load_config("serve.yaml")
+    config = hand_off_config("serve.yaml")
     config["applications"][0]["deployments"][0]["num_replicas"] = 2
     apply_config(config)
     wait_for(lambda: running_replicas().get("Router") == 2, 120, "a second router replica")
@@ -308,7 +308,7 @@ def test_shared_store_hand_offs_leave_nothing_in_the_object_store(serve_url):
     replica's life. After the requests, the store holds none of it."""
     from ray import serve
 
-    config = load_config("serve.yaml")
+    config = hand_off_config("serve.yaml")
     config["applications"][0]["runtime_env"]["env_vars"]["RAY_SERVE_USE_GRPC_BY_DEFAULT"] = "1"
     serve.delete(APP)
     apply_config(config)
