@@ -42,7 +42,7 @@ from cluster.kvtransfer.connectors import create_connector
 from cluster.kvtransfer.errors import KVTransferError
 from cluster.kvtransfer.handoff import PrefillClient, PrefillFailed, PrefillHandoff, prefill_with_retries
 from cluster.metrics import ITL_BUCKETS, Histogram
-from cluster.engine.outputs import StreamStart, TokenDelta
+from cluster.engine.outputs import RequestOutput, StreamStart, TokenDelta
 from cluster.cache_report import cache_report
 from cluster.sampling_params import SamplingParams
 
@@ -92,6 +92,9 @@ class DecodeServer:
         if channel is not None:
             channel.tasks[request_id] = asyncio.current_task()  # Channels.cancel aborts R through it
         try:
+            clock: list[float | None] = [None]  # R's last token's engine time
+            if channel is not None:  # R's outputs go straight into the router's channel
+                stream.divert(lambda out: channel.put(request_id, self._delta([out], trace, clock)))
             if mux is not None:
                 yield StreamStart(self.name, channel is not None)
             if prefill is None or self.importer is None or self._prefill_here(request_id, prompt, params, trace):
@@ -101,22 +104,11 @@ class DecodeServer:
                     self._placing_here.pop(request_id, None)
             else:
                 await self._remote_prefill(request_id, prompt, params, prefill, trace)
-            last_at = None
-            async for outs in stream:
-                for out in outs:  # engine timestamps: one token per step per request
-                    if last_at is not None:
-                        self.itl.observe(out.time - last_at)
-                    last_at = out.time
-                delta = TokenDelta.merge(outs)
-                if delta.finish_reason is not None:
-                    delta.trace = {**trace, "decode_queue_s": outs[-1].queue_s}
-                    if outs[-1].num_draft_tokens:
-                        delta.trace.update(spec_draft_tokens=outs[-1].num_draft_tokens,
-                                           spec_accepted_tokens=outs[-1].num_accepted_tokens)
-                if channel is None:
-                    yield [delta]
-                else:
-                    channel.put(request_id, delta)
+            if channel is None:
+                async for outs in stream:
+                    yield [self._delta(outs, trace, clock)]
+            else:
+                await stream.done()
         finally:
             if channel is not None:
                 channel.tasks.pop(request_id, None)
@@ -128,6 +120,20 @@ class DecodeServer:
             if not stream.finished:  # the caller went away: R is aborted and its blocks freed
                 closing.add_done_callback(self._aborted)
             await asyncio.shield(closing)
+
+    def _delta(self, outs: list[RequestOutput], trace: dict[str, Any], clock: list[float | None]) -> TokenDelta:
+        """R's outputs since the last delta as one; the last carries R's trace."""
+        for out in outs:  # engine timestamps: one token per step per request
+            if clock[0] is not None:
+                self.itl.observe(out.time - clock[0])
+            clock[0] = out.time
+        delta = TokenDelta.merge(outs)
+        if delta.finish_reason is not None:
+            delta.trace = {**trace, "decode_queue_s": outs[-1].queue_s}
+            if outs[-1].num_draft_tokens:
+                delta.trace.update(spec_draft_tokens=outs[-1].num_draft_tokens,
+                                   spec_accepted_tokens=outs[-1].num_accepted_tokens)
+        return delta
 
     def _aborted(self, _: asyncio.Future) -> None:
         self.counters["aborted"] += 1

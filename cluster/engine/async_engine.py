@@ -40,14 +40,39 @@ class RequestStream:
         self.error: BaseException | None = None
         self.finished = False
         self.outcome: Any = None  # what add_request's `on_finish` returned for R's last output
+        self.sink: Callable[[RequestOutput], None] | None = None  # see `divert`
         self._ready = asyncio.Event()
+
+    def divert(self, sink: Callable[[RequestOutput], None]) -> None:
+        """Hand each output to `sink`, called on the loop as it arrives, instead of queueing it
+        for a task that iterates the stream: no task switch per token (a decode replica's
+        multiplexed path, where a step's outputs go into one channel). Call it before R enters
+        the engine; then await `done()`. A sink that raises fails the stream with its error."""
+        self.sink = sink
 
     def put(self, out: RequestOutput, outcome: Any = None) -> None:  # on the loop
         if outcome is not None:
             self.outcome = outcome
-        self.items.append(out)
         self.finished = self.finished or out.finished
-        self._ready.set()
+        if self.sink is None:
+            self.items.append(out)
+            self._ready.set()
+        elif self.error is None:
+            try:
+                self.sink(out)
+            except BaseException as exc:
+                self.fail(exc)
+            else:
+                if out.finished:
+                    self._ready.set()
+
+    async def done(self) -> None:
+        """(A diverted stream) return once R finished; raise what failed it."""
+        while not self.finished and self.error is None:
+            await self._ready.wait()
+            self._ready.clear()
+        if self.error is not None:
+            raise self.error
 
     def fail(self, exc: BaseException) -> None:  # on the loop
         self.error = exc

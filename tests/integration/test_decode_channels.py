@@ -1,0 +1,96 @@
+"""A decode replica's multiplexed path on a real engine, in one process (no Ray): a request whose
+router has a channel open gets the tokens it would get on its own stream, its outputs put into
+the channel as the engine hands them over (decode/server.py diverts its stream: no task wakes
+per token); the last delta carries the trace; a channel that closes mid-request aborts it and
+gives its blocks back."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cluster.engine.outputs import StreamStart, TokenDelta
+from cluster.sampling_params import SamplingParams
+
+PROMPT = [1, 415, 5834, 314, 4649, 28, 351, 260, 1159]
+PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_paths):
+    from cluster.config import AppConfig
+    from cluster.decode.server import DecodeServer
+
+    s = DecodeServer(AppConfig.from_args({"model": str(tiny_model_paths["llama"]), "mode": "colocated",
+                                          "engine": {"num_blocks": 64, "max_num_seqs": 8}}))
+    yield s
+    s.close()
+
+
+async def own_stream(server, rid: str) -> list:
+    return [item async for item in server.generate(rid, PROMPT, PARAMS, mux="router-1")]
+
+
+async def settle(server) -> dict:
+    for _ in range(200):
+        stats = await server.stats()
+        if stats["blocks_in_use"] == 0:
+            return stats
+        await asyncio.sleep(0.01)
+    return stats
+
+
+def test_on_a_channel_a_request_gets_its_own_streams_tokens_and_its_trace_last(server):
+    async def go():
+        alone = await own_stream(server, "alone")  # no channel open: everything on its own stream
+        batches = server.channels.serve("router-1")
+        first = asyncio.ensure_future(batches.__anext__())
+        await asyncio.sleep(0)  # the channel is open once serve() runs
+        itl_before = server.itl.count
+        items = await own_stream(server, "muxed")
+        got: list[TokenDelta] = []
+        batch = await first
+        while True:
+            got += batch.get("muxed", [])
+            if got and got[-1].finish_reason is not None:
+                break
+            batch = await batches.__anext__()
+        await batches.aclose()
+        return alone, items, got, server.itl.count - itl_before, await settle(server)
+
+    alone, items, got, itl_observed, stats = asyncio.run(go())
+    assert alone[0] == StreamStart(server.name, False) and items == [StreamStart(server.name, True)]
+    own = TokenDelta.concat([d for item in alone[1:] for d in item])
+    muxed = TokenDelta.concat(got)
+    assert muxed.token_ids == own.token_ids and len(own.token_ids) == 12
+    assert muxed.text == own.text and muxed.finish_reason == own.finish_reason == "length"
+    assert muxed.trace["decode_replica"] == server.name and "decode_queue_s" in muxed.trace
+    assert all(d.trace is None for d in got[:-1])
+    assert itl_observed == 11  # one gap per token after the first, as on its own stream
+    assert stats["blocks_in_use"] == 0
+
+
+def test_a_channel_that_closes_mid_request_aborts_it_and_frees_its_blocks(server):
+    async def go():
+        batches = server.channels.serve("router-2")
+        first = asyncio.ensure_future(batches.__anext__())
+        await asyncio.sleep(0)
+        aborted = server.counters["aborted"]
+        long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+        async def call():
+            return [item async for item in server.generate("cut", PROMPT, long, mux="router-2")]
+
+        running = asyncio.ensure_future(call())
+        batch = await first
+        assert "cut" in batch and batch["cut"][-1].finish_reason is None
+        await batches.aclose()  # the router gave its channel up
+        with pytest.raises((asyncio.CancelledError, RuntimeError)):
+            await running
+        stats = await settle(server)
+        return server.counters["aborted"] - aborted, stats
+
+    aborted, stats = asyncio.run(go())
+    assert aborted == 1
+    assert stats["blocks_in_use"] == 0 and stats["num_running"] == 0
