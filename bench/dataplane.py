@@ -3,7 +3,7 @@ what each process spends per token. JSON on stdout.
 
     PYTHONPATH=. .venv/bin/python bench/dataplane.py [--streams 64,256] [--tokens 256]
         [--systems disaggregated,colocated] [--routers 1] [--serve-env KEY=VALUE ...]
-        [--skip-engine] [--out FILE]
+        [--skip-engine] [--out FILE] [--model PATH|default] [--num-gpus F] [--engine KEY=VALUE ...]
 
 The model is a tiny random Llama (hidden size 16, one layer, the default model's tokenizer), so
 a step costs little and the path each token takes after the engine is what is measured.
@@ -21,6 +21,11 @@ a step costs little and the path each token takes after the engine is what is me
 
 `--serve-env` sets variables for the whole local Ray (proxy and replicas inherit them), e.g.
 RAY_SERVE_THROUGHPUT_OPTIMIZED=1; `--routers` the Router deployment's replicas.
+
+On a GPU: `--num-gpus 0.5` gives each prefill and decode replica half of one GPU (the local Ray
+gets one); `--engine num_blocks=16384` sizes the KV cache by blocks, so the replicas sharing the
+GPU do not each take `gpu_memory_utilization` of its free memory; `--model default` runs the
+default model instead of the tiny one.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import resource
@@ -70,12 +76,12 @@ def tiny_model() -> Path:
     return target
 
 
-def app_args(config: str, model: Path, max_seqs: int) -> dict[str, Any]:
-    """The config's app args with the tiny model and room for every stream in one batch."""
+def app_args(config: str, model: Path, max_seqs: int, engine: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The config's app args with the model, room for every stream in one batch, and `engine` over them."""
     from cluster.serve_config import load_yaml
 
     args = load_yaml(ROOT / config)["applications"][0]["args"]
-    return {"model": str(model), "engine": {**args.get("engine", {}), "max_num_seqs": max_seqs}}
+    return {"model": str(model), "engine": {**args.get("engine", {}), "max_num_seqs": max_seqs, **(engine or {})}}
 
 
 def chat_prompts(model: Path, n: int, workload: Workload) -> list[list[int]]:
@@ -115,6 +121,10 @@ def engine_alone(args: dict[str, Any], model: Path, streams: list[int], tokens: 
         out[str(n)] = {"tokens": produced, "wall_s": round(wall, 2), "tok_s": round(produced / wall, 1),
                        "cpu_s_per_1k_tokens": round(cpu / produced * 1e3, 4)}
         log(f"engine alone, {n} streams: {json.dumps(out[str(n)])}")
+    del engine  # its KV cache and CUDA graphs: give the GPU's memory back to the replicas
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return out
 
 
@@ -262,12 +272,18 @@ def stream_paths(url: str) -> dict[str, float]:
 
 
 def cluster(system: str, args: dict[str, Any], model: Path, streams: list[int], tokens: int,
-            routers: int, url: str, profile: Path | None, direct: bool) -> dict[str, Any]:
+            routers: int, url: str, profile: Path | None, direct: bool, num_gpus: float = 0.0) -> dict[str, Any]:
+    from cluster.serve_config import load_yaml
+
     config = SYSTEMS[system]
     n = max(streams)
     pools = {"Router": {"num_replicas": routers}, "DecodePool": {"max_ongoing_requests": n},
              "PrefillPool": {"max_ongoing_requests": n}}
-    log(f"{system}: deploying {config} with the tiny model, {routers} router replica(s)")
+    if num_gpus:  # the config's ray_actor_options (num_cpus) with a share of the GPU
+        for d in load_yaml(ROOT / config)["applications"][0]["deployments"]:
+            if d["name"] in ("PrefillPool", "DecodePool"):
+                pools[d["name"]]["ray_actor_options"] = {**d.get("ray_actor_options", {}), "num_gpus": num_gpus}
+    log(f"{system}: deploying {config} with {model.name}, {routers} router replica(s), num_gpus {num_gpus}")
     out: dict[str, Any] = {"config": config, "routers": routers}
     with deployed(config, args, pools):
         wait_http(f"{url}/health", 120)
@@ -299,6 +315,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                    help="the client talks to each router replica's own HTTP port (Serve's direct ingress, "
                         "on under RAY_SERVE_THROUGHPUT_OPTIMIZED=1), not through Serve's proxy")
     p.add_argument("--skip-engine", action="store_true", help="no engine-alone run (no ratios)")
+    p.add_argument("--model", help="a local HF folder, or 'default' for the default model (default: the tiny model)")
+    p.add_argument("--num-gpus", type=float, default=0.0,
+                   help="GPUs per prefill and decode replica, e.g. 0.5 (default 0: CPU); the local Ray gets "
+                        "one GPU when this is set")
+    p.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
+                   help="an engine arg over the configs' (value read as JSON, else a string), e.g. num_blocks=16384")
     p.add_argument("--out", help="also write the JSON here")
     p.add_argument("--profile", help="py-spy each Serve process during every load (its CPU figures then "
                                       "include py-spy's cost); collapsed stacks under this folder")
@@ -311,21 +333,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         return None
     serve_env = dict(kv.split("=", 1) for kv in args.serve_env)
     os.environ.update(serve_env)
-    model = tiny_model()
-    base = app_args(SYSTEMS["disaggregated"], model, max(streams))
+    engine_over = {k: _value(v) for k, v in (kv.split("=", 1) for kv in args.engine)}
+    if args.model is None:
+        model, model_info = tiny_model(), TINY
+    else:
+        from cluster.models.default_model import ensure_default_model
+
+        model = ensure_default_model(progress=False) if args.model == "default" else Path(args.model).resolve()
+        model_info = {}
+    base = app_args(SYSTEMS["disaggregated"], model, max(streams), engine_over)
     result: dict[str, Any] = {
         "bench": "dataplane", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]), "model": {"path": str(model), **TINY},
+        "command": " ".join([Path(sys.executable).name, *sys.argv]), "model": {"path": str(model), **model_info},
         "tokens_per_stream": args.tokens, "engine_args": base["engine"], "serve_env": serve_env}
+    if args.num_gpus:
+        import torch
+
+        result["machine"]["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+        result["num_gpus_per_replica"] = args.num_gpus
     with stdout_for_json_only():
         if not args.skip_engine:
             result["engine_alone"] = engine_alone(base, model, streams, args.tokens)
         systems: dict[str, Any] = {}
-        with local_ray(os.cpu_count() or 2) as url:
+        with local_ray(os.cpu_count() or 2, num_gpus=1 if args.num_gpus else None) as url:
             for system in args.systems.split(","):
-                systems[system] = cluster(system, app_args(SYSTEMS[system], model, max(streams)), model, streams,
-                                          args.tokens, args.routers, url,
-                                          Path(args.profile) if args.profile else None, args.direct)
+                systems[system] = cluster(system, app_args(SYSTEMS[system], model, max(streams), engine_over), model,
+                                          streams, args.tokens, args.routers, url,
+                                          Path(args.profile) if args.profile else None, args.direct, args.num_gpus)
     result["systems"] = systems
     if "engine_alone" in result:
         result["delivered_vs_engine"] = {
@@ -333,6 +367,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             for system, r in systems.items()}
         result["target"] = TARGET
     return emit(result, args.out)
+
+
+def _value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 if __name__ == "__main__":

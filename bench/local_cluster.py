@@ -53,12 +53,13 @@ def stdout_for_json_only() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def local_ray(cpus: int) -> Iterator[str]:
-    """Ray (num_cpus=cpus) and Serve on a free loopback port; yields the HTTP base URL."""
+def local_ray(cpus: int, num_gpus: int | None = None) -> Iterator[str]:
+    """Ray (num_cpus=cpus; num_gpus, or Ray's own count when None) and Serve on a free loopback
+    port; yields the HTTP base URL."""
     import ray
     from ray import serve
 
-    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(num_cpus=cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
