@@ -41,6 +41,8 @@ WORKLOADS = {
     "mixed": Workload("mixed", num_requests=32, concurrency=16, long_every=4),
     # ../shared/NOTES.md's peer table: 30-word chats, every 4th ~600 words, 6 at a time
     "mixed_chat": Workload("mixed_chat", num_requests=24, concurrency=6, long_every=4, short_words=30),
+    # one ~1,000-token prompt at a time: TTFT is a long prompt's prefill (and hand-off) alone
+    "long": Workload("long", num_requests=4, concurrency=1, max_tokens=16, long_every=1, long_words=960),
 }
 
 DEFAULT_WORKLOADS = ("single", "concurrent16", "mixed")  # what a bench runs unless told
