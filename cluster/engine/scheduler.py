@@ -214,9 +214,10 @@ class Scheduler:
 
     def _prompt_cost(self) -> tuple[float, float] | None:
         """(fixed, per_token) seconds of a step, for ordering and batching prefill-only prompts
-        under `prefill_schedule: ttft`; None: fcfs, or not measured yet."""
+        under `prefill_schedule: ttft`; None: fcfs, or not measured yet, or a token's cost lost in
+        the noise of a step's (the fit's fallback, no fixed part: it would batch nothing)."""
         fixed, per_token = self.step_cost.fixed_s, self.step_cost.per_token_s
-        if not self.for_ttft or fixed is None or per_token is None:
+        if not self.for_ttft or fixed is None or per_token is None or not self.step_cost.resolved:
             return None
         return fixed, per_token
 

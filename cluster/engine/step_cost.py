@@ -36,6 +36,7 @@ class StepCost:
         self._w = self._x = self._y = self._xx = self._xy = 0.0
         self.per_token_s: float | None = None  # the fitted slope; None: not known yet
         self.fixed_s: float | None = None  # the fitted intercept, known with the slope
+        self.resolved = False  # the window tells a token's cost from a step's (a slope > 0 found)
         self.steps = 0
 
     def observe(self, num_tokens: int, seconds: float) -> None:
@@ -52,22 +53,26 @@ class StepCost:
         fit = self._fit()
         if fit is None:
             self.per_token_s = None  # one assignment: readers on other threads see old or new
+            self.resolved = False
         else:
             self.fixed_s, self.per_token_s = fit
+            self.resolved = self._slope > 0
 
     def _fit(self) -> tuple[float, float] | None:
         """(fixed, per_token), or None while the window cannot tell them apart."""
+        self._slope = 0.0
         if self._w < MIN_WEIGHT:
             return None
         mean_x, mean_y = self._x / self._w, self._y / self._w
         var_x = self._xx / self._w - mean_x * mean_x
         if var_x < MIN_SPREAD:
             return None
-        slope = (self._xy / self._w - mean_x * mean_y) / var_x
+        slope = self._slope = (self._xy / self._w - mean_x * mean_y) / var_x
         if slope > 0:
             return max(mean_y - slope * mean_x, 0.0), slope
-        # noise can tilt a fit over a narrow spread below zero; a token never costs nothing, and
-        # the average cost per token (fixed part included) is an upper bound to fall back on
+        # noise can tilt a fit over a narrow spread below zero (a token costs less than the noise
+        # in a step: a tiny model, a GPU); a token never costs nothing, and the average cost per
+        # token (fixed part included) is an upper bound to fall back on. `resolved` says so.
         return 0.0, mean_y / mean_x
 
     def extra_seconds(self, num_tokens: int) -> float | None:

@@ -14,7 +14,7 @@ GPU = (0.008, 0.00001)  # a step mostly fixed cost
 
 def pinned(fixed: float, per_token: float) -> StepCost:
     cost = StepCost()
-    cost.fixed_s, cost.per_token_s = fixed, per_token
+    cost.fixed_s, cost.per_token_s, cost.resolved = fixed, per_token, True
     return cost
 
 
@@ -126,3 +126,16 @@ def test_decode_requests_are_not_reordered_or_held_back():
         sched.add(r)
     plan, _ = run_step(sched)
     assert [c.request for c in plan.chunks] == reqs
+
+
+def test_a_fit_that_cannot_resolve_a_tokens_cost_batches_as_the_budget_allows():
+    """A tiny model or a GPU: a step's tokens cost less than its noise, the fit falls back to no
+    fixed part and the average cost per token (step_cost.py). Read as costs, that would batch
+    nothing; the scheduler takes it as not known and fills the step's budget."""
+    sched = scheduler(None)
+    sched.step_cost.observe(1, 0.0010)
+    sched.step_cost.observe(64, 0.0009)  # more tokens, a faster step: noise
+    assert sched.step_cost.fixed_s == 0.0 and not sched.step_cost.resolved
+    prompts = [prompt(sched, n, arrival=0.01 * i) for i, n in enumerate((5, 37, 20))]
+    plan, finished = run_step(sched)
+    assert [c.request for c in plan.chunks] == prompts and set(finished) == set(prompts)

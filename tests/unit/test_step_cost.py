@@ -47,6 +47,9 @@ def test_a_slope_tilted_below_zero_by_noise_falls_back_to_the_average_cost_per_t
     fit.observe(1, 0.030)
     fit.observe(3, 0.020)  # three tokens faster than one: noise
     assert fit.per_token_s == pytest.approx(0.050 / 4, rel=0.01)
+    assert fit.fixed_s == 0.0 and not fit.resolved  # a fallback, and it says so
+    fit.observe(9, 0.090)
+    assert fit.resolved and fit.per_token_s > 0
 
 
 def test_empty_and_negative_observations_are_ignored_and_the_decay_is_checked():
