@@ -14,8 +14,7 @@ from cluster.engine.kv_cache import allocate_kv_cache
 from cluster.engine.sampler import Logprob, sample, score_tokens
 from cluster.engine.scheduler import ScheduledChunk, StepPlan
 from cluster.models.architecture import Architecture
-from cluster.models.attention import (AttentionMetadata, DecodeMirrors, PrefillChunk, cpu_decode_index,
-                                      cpu_verify_index)
+from cluster.models.attention import AttentionMetadata, PrefillChunk, cpu_decode_index, cpu_verify_index
 from cluster.models.loader import load_model
 from cluster.engine.outputs import TokenLogprobs
 from cluster.engine.request import Request
@@ -75,10 +74,6 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.default_generator = torch.Generator(device=self.device).manual_seed(seed)
         self.graphs = None  # decode and verify steps from CUDA graphs (cluster/engine/cuda_graphs.py)
-        self.mirrors = None  # CPU: decode groups' K/V kept across steps, up to half the cache's size
-        if self.device.type == "cpu":
-            self.mirrors = DecodeMirrors([layer[0].data_ptr() for layer in self.kv_cache], self.kv_cache.shape[-2:],
-                                         self.kv_cache.dtype, self.kv_cache.numel() * self.kv_cache.element_size() // 2)
         if self.device.type == "cuda" and not model_config.enforce_eager:
             self.graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size, max_model_len,
                                        max_graph_rows, capture=True)
@@ -194,7 +189,6 @@ class ModelRunner:
         sample_rows: list[int] = []
         dec_tables: list[list[int]] = []
         dec_lens: list[int] = []
-        dec_ids: list[tuple[str, float]] = []  # a decode row's request, as a mirror knows it
         prefills: list[PrefillChunk] = []
         verify: list[tuple[int, int, int, list[int]]] = []
         for c in chunks:
@@ -207,7 +201,6 @@ class ModelRunner:
             if c.num_tokens == 1:
                 dec_tables.append(blocks[: -(-end // bs)])
                 dec_lens.append(end)
-                dec_ids.append((req.request_id, req.arrival_time))
             elif c.num_drafts and self.device.type == "cpu":  # batched like decodes, not one call each
                 verify.append((offset, c.num_tokens, end, blocks[: -(-end // bs)]))
             else:
@@ -215,8 +208,6 @@ class ModelRunner:
                 prefills.append(PrefillChunk(offset, c.num_tokens, end, table))
             if c.samples:
                 sample_rows.extend(range(len(ids) - 1 - c.num_drafts, len(ids)))
-        if self.mirrors is not None and not dec_lens:
-            self.mirrors.end_step()  # no decode rows: no group carries on into the next step
         width = max((len(t) for t in dec_tables), default=0)
         tables = self._tensor([t + [0] * (width - len(t)) for t in dec_tables], torch.int32)
         lens = self._tensor(dec_lens, torch.int32)
@@ -226,8 +217,7 @@ class ModelRunner:
             decode_block_tables=tables,
             decode_context_lens=lens,
             prefills=tuple(prefills),
-            cpu_decode=(cpu_decode_index(tables, lens, bs, self.kv_cache.shape[-2:], self.kv_cache.dtype,
-                                         dec_ids, self.mirrors)
+            cpu_decode=(cpu_decode_index(tables, lens, bs, self.kv_cache.shape[-2:], self.kv_cache.dtype)
                         if dec_lens and self.device.type == "cpu" else None),
             cpu_verify=(cpu_verify_index(verify, bs, self.kv_cache.shape[-2:], self.kv_cache.dtype, self.device)
                         if verify else ()),

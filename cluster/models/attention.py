@@ -21,7 +21,6 @@ context: one gather and one SDPA call per group.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -40,59 +39,9 @@ class PrefillChunk:
 @dataclass(frozen=True)
 class DecodeGroup:
     rows: torch.Tensor  # [b] int64: which decode sequences (rows of q)
-    slots: torch.Tensor  # [b, W] int64: cache slot of every context position (W: Lmax, or the mirror's width)
+    slots: torch.Tensor  # [b, Lmax] int64: cache slot of every context position
     valid: torch.Tensor  # [b, 1, 1, Lmax] bool: position < context_len
-    gathered: torch.Tensor  # [2, b * W, Hkv, D]: each layer's K/V rows land here in turn
-    # with a mirror (`DecodeMirrors`): per layer (keyed by its cache's data_ptr) [2, b, W, Hkv, D],
-    # kept across steps; `fill`: gather every position into it this step, else write only each
-    # row's new token, at `last` [b] int64
-    mirror: dict[int, torch.Tensor] | None = None
-    fill: bool = True
-    last: torch.Tensor | None = None
-
-
-class DecodeMirrors:
-    """CPU decode without copying every context every step. Gathering a decode group's K/V out of
-    the paged cache copies each sequence's whole context twice per layer per step (16 chats of
-    ~300 tokens: ~220 MB a step, ~16% of the step here, docs/performance.md). A group whose
-    sequences are the same as last step's, each one token further on, keeps last step's gathered
-    rows instead (its mirror, one per layer) and appends each row's new token to them. A group
-    that changed (a sequence joined, left, was preempted, verified drafts) gathers afresh into a
-    new mirror a little wider than it needs, so the next steps append in place. Mirrors not used in
-    a step are dropped; past `max_bytes` in all, a group gathers as before (no mirror)."""
-
-    def __init__(self, layer_keys: list[int], kv_row: tuple[int, int], dtype: torch.dtype,
-                 max_bytes: int, slack: int = 32) -> None:
-        self.layer_keys = layer_keys  # each layer's cache data_ptr: the key `_decode` looks up
-        self.kv_row = kv_row
-        self.dtype = dtype
-        self.max_bytes = max_bytes
-        self.slack = slack
-        self.entries: dict[tuple[Hashable, ...], tuple[list[int], int, dict[int, torch.Tensor]]] = {}
-        self._next: dict[tuple[Hashable, ...], tuple[list[int], int, dict[int, torch.Tensor]]] = {}
-
-    def take(self, rids: tuple[Hashable, ...], lens: list[int]) -> tuple[dict[int, torch.Tensor], bool, int] | None:
-        """(per-layer mirrors, fill, width) for a group of requests (`rids`: whatever names each
-        one uniquely) at context `lens`; None: no mirror."""
-        prev = self.entries.get(rids)
-        if prev is not None:
-            prev_lens, width, mirror = prev
-            if max(lens) <= width and all(n == p + 1 for n, p in zip(lens, prev_lens)):
-                self._next[rids] = (lens, width, mirror)
-                return mirror, False, width
-        width = max(lens) + self.slack
-        row_bytes = self.kv_row[0] * self.kv_row[1] * torch.finfo(self.dtype).bits // 8
-        need = 2 * len(rids) * width * row_bytes * len(self.layer_keys)
-        held = sum(2 * len(k) * w * row_bytes * len(self.layer_keys) for k, (_, w, _) in self._next.items())
-        if held + need > self.max_bytes:
-            return None
-        mirror = {key: torch.empty(2, len(rids), width, *self.kv_row, dtype=self.dtype) for key in self.layer_keys}
-        self._next[rids] = (lens, width, mirror)
-        return mirror, True, width
-
-    def end_step(self) -> None:
-        """The groups used in this step are the ones kept; the rest are freed."""
-        self.entries, self._next = self._next, {}
+    gathered: torch.Tensor  # [2, b * Lmax, Hkv, D]: each layer's K/V rows land here in turn
 
 
 @dataclass(frozen=True)
@@ -149,15 +98,13 @@ class AttentionMetadata:
 
 
 def cpu_decode_index(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                     kv_row: tuple[int, int], dtype: torch.dtype, request_ids: Sequence[Hashable] | None = None,
-                     mirrors: DecodeMirrors | None = None) -> CpuDecodeIndex:
+                     kv_row: tuple[int, int], dtype: torch.dtype) -> CpuDecodeIndex:
     """block_tables [Bd, W] int32, context_lens [Bd] → per length group, slots, mask and a
     gather buffer of (Hkv, D) = `kv_row` rows for the gathered path. A group starts where a
     context is longer than max(2x, +256) its first one, so padding never more than about
-    doubles a group's gather. With `mirrors` (and each decode row's request id), a group keeps
-    its gathered rows across steps (`DecodeMirrors`)."""
+    doubles a group's gather."""
     lens = context_lens.long()
-    order = torch.argsort(lens, stable=True).tolist()
+    order = torch.argsort(lens).tolist()
     values = lens.tolist()
     groups: list[list[int]] = []
     for i in order:
@@ -168,26 +115,11 @@ def cpu_decode_index(block_tables: torch.Tensor, context_lens: torch.Tensor, blo
     for members in groups:
         rows = torch.tensor(members, dtype=torch.long, device=lens.device)
         glens = lens[rows]
-        lmax = int(glens.max())
-        taken = (mirrors.take(tuple(request_ids[i] for i in members), [values[i] for i in members])
-                 if mirrors is not None and request_ids is not None else None)
-        width = lmax if taken is None else taken[2]
-        pos = torch.arange(width, device=lens.device)
-        valid = (pos[:lmax] < glens[:, None])[:, None, None, :]
-        if taken is not None and not taken[1]:  # append only: no slots, no gather buffer
-            empty = torch.empty(0, dtype=torch.long)
-            out.append(DecodeGroup(rows, empty, valid, torch.empty(0, dtype=dtype), taken[0], False, glens - 1))
-            continue
-        # positions past a context (a mirror's slack, a shorter row) read block 0: masked out
-        blocks = block_tables.long()[rows][:, torch.clamp(pos // block_size, max=block_tables.shape[1] - 1)]
-        slots = torch.where(pos < glens[:, None], blocks * block_size + pos % block_size, 0)
-        if taken is not None:
-            out.append(DecodeGroup(rows, slots, valid, torch.empty(0, dtype=dtype), taken[0], True, glens - 1))
-            continue
-        gathered = torch.empty(2, len(members) * width, *kv_row, dtype=dtype, device=lens.device)
-        out.append(DecodeGroup(rows, slots, valid, gathered))
-    if mirrors is not None:
-        mirrors.end_step()
+        pos = torch.arange(int(glens.max()), device=lens.device)  # [Lmax of the group]
+        blocks = block_tables.long()[rows][:, pos // block_size]  # [b, Lmax]
+        gathered = torch.empty(2, len(members) * len(pos), *kv_row, dtype=dtype, device=lens.device)
+        out.append(DecodeGroup(rows, blocks * block_size + pos % block_size, (pos < glens[:, None])[:, None, None, :],
+                               gathered))
     return CpuDecodeIndex(tuple(out))
 
 
@@ -204,10 +136,10 @@ def paged_attention(
     ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     nd = meta.num_decode_tokens
     if not meta.prefills and not meta.cpu_verify:
-        return _decode(q, k_cache, v_cache, meta, ops, scale, k, v)
+        return _decode(q, k_cache, v_cache, meta, ops, scale)
     out = torch.empty_like(q)
     if nd:
-        out[:nd] = _decode(q[:nd], k_cache, v_cache, meta, ops, scale, k[:nd], v[:nd])
+        out[:nd] = _decode(q[:nd], k_cache, v_cache, meta, ops, scale)
     for g in meta.cpu_verify:
         _verify(q, out, k_cache, v_cache, g, scale)
     for p in meta.prefills:
@@ -222,8 +154,7 @@ def paged_attention(
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-            ops: KernelOps, scale: float, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
-    """k_new, v_new [Bd, Hkv, D]: this step's K/V of the decode rows (already in the cache)."""
+            ops: KernelOps, scale: float) -> torch.Tensor:
     index = meta.cpu_decode
     if index is None:
         return ops.paged_decode_attention(
@@ -232,23 +163,12 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta:
     flat_k, flat_v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
     out = torch.empty_like(q)
     for g in index.groups:
-        length = g.valid.shape[-1]
-        if g.mirror is None:
-            b, width = g.slots.shape
-            keys, values = g.gathered
-        else:
-            keys, values = g.mirror[k_cache.data_ptr()]  # [b, W, Hkv, D] each
-            b, width = keys.shape[:2]
-            if not g.fill:  # last step's rows are there: add this step's token
-                at = torch.arange(b)
-                keys[at, g.last] = k_new[g.rows]
-                values[at, g.last] = v_new[g.rows]
-            keys, values = keys.view(b * width, num_kv_heads, head_dim), values.view(b * width, num_kv_heads, head_dim)
-        if g.fill:
-            torch.index_select(flat_k, 0, g.slots.view(-1), out=keys)
-            torch.index_select(flat_v, 0, g.slots.view(-1), out=values)
-        keys = keys.view(b, width, num_kv_heads, head_dim)[:, :length].transpose(1, 2)  # [b, Hkv, L, D]
-        values = values.view(b, width, num_kv_heads, head_dim)[:, :length].transpose(1, 2)
+        b, length = g.slots.shape
+        slots, (keys, values) = g.slots.view(-1), g.gathered
+        torch.index_select(flat_k, 0, slots, out=keys)
+        torch.index_select(flat_v, 0, slots, out=values)
+        keys = keys.view(b, length, num_kv_heads, head_dim).transpose(1, 2)  # [b, Hkv, L, D]
+        values = values.view(b, length, num_kv_heads, head_dim).transpose(1, 2)
         out[g.rows] = F.scaled_dot_product_attention(q[g.rows].unsqueeze(2), keys, values, attn_mask=g.valid,
                                                      scale=scale, enable_gqa=True).squeeze(2)  # [b, Hq, D]
     return out

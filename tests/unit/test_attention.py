@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.models.attention import (AttentionMetadata, DecodeMirrors, PrefillChunk, cpu_decode_index,
-                                      cpu_verify_index, paged_attention)
+from cluster.models.attention import (AttentionMetadata, PrefillChunk, cpu_decode_index, cpu_verify_index,
+                                      paged_attention)
 from kernels import REFERENCE_OPS
 
 BS, HKV, HQ, D, NB = 4, 2, 6, 8, 40
@@ -85,61 +85,3 @@ def test_cpu_decode_groups_split_long_contexts_from_short_ones():
                              (HKV, D), torch.float32)
     assert [sorted(g.rows.tolist()) for g in index.groups] == [[1, 2], [0, 3]]
     assert [g.slots.shape[1] for g in index.groups] == [30, 640]  # the chats are not padded to 640
-
-
-def test_decode_steps_with_mirrors_equal_dense_attention_as_sequences_join_leave_and_jump():
-    """Kept rows (DecodeMirrors) across decode steps give what gathering afresh gives, and dense
-    attention: while the same sequences each move one token on (appended in place), after one
-    joins or leaves (that group gathers again), and after one moves on by more than a token
-    (drafts accepted in a verify step: gathered again, never the stale rows)."""
-    gen = torch.Generator().manual_seed(5)
-    kv = torch.zeros(2, NB, BS, HKV, D)
-    layer_key = kv[0].data_ptr()
-    mirrors = DecodeMirrors([layer_key], (HKV, D), kv.dtype, max_bytes=1 << 20, slack=3)
-    perm = torch.randperm(NB, generator=gen).tolist()
-    tables = {rid: perm[i * 8:(i + 1) * 8] for i, rid in enumerate("abcd")}
-    keys = {rid: torch.randn(32, HKV, D, generator=gen) for rid in "abcd"}
-    values = {rid: torch.randn(32, HKV, D, generator=gen) for rid in "abcd"}
-    # the context length of each decoding sequence, step by step
-    steps = [{"a": 5, "b": 9}, {"a": 6, "b": 10}, {"a": 7, "b": 11}, {"a": 8, "b": 12, "c": 3},
-             {"a": 9, "b": 13, "c": 4}, {"b": 14, "c": 5}, {"b": 17, "c": 6}, {"b": 18, "c": 7},
-             {"b": 19, "c": 8}, {"b": 20, "c": 9}, {"b": 21, "c": 10}]
-    fills = []
-    for lens in steps:
-        rids = list(lens)
-        for rid in rids:  # every position up to the new token is in the cache, as the model's store does
-            for p in range(lens[rid]):
-                t = tables[rid]
-                kv[0, t[p // BS], p % BS], kv[1, t[p // BS], p % BS] = keys[rid][p], values[rid][p]
-        q = torch.randn(len(rids), HQ, D, generator=gen)
-        k_new = torch.stack([keys[r][lens[r] - 1] for r in rids])
-        v_new = torch.stack([values[r][lens[r] - 1] for r in rids])
-        width = max(-(-lens[r] // BS) for r in rids)
-        dec_tables = torch.tensor([tables[r][:width] for r in rids], dtype=torch.int32)
-        dec_lens = torch.tensor([lens[r] for r in rids], dtype=torch.int32)
-        slots = torch.tensor([tables[r][(lens[r] - 1) // BS] * BS + (lens[r] - 1) % BS for r in rids])
-        index = cpu_decode_index(dec_tables, dec_lens, BS, (HKV, D), kv.dtype, rids, mirrors)
-        fills.append([g.fill for g in index.groups])
-        meta = AttentionMetadata(slots, len(rids), dec_tables, dec_lens, (), index)
-        out = paged_attention(q, k_new, v_new, kv, meta, REFERENCE_OPS, 0.4)
-        fresh = AttentionMetadata(slots, len(rids), dec_tables, dec_lens, (),
-                                  cpu_decode_index(dec_tables, dec_lens, BS, (HKV, D), kv.dtype))
-        torch.testing.assert_close(out, paged_attention(q, k_new, v_new, kv, fresh, REFERENCE_OPS, 0.4),
-                                   atol=0, rtol=0)
-        expected = torch.cat([dense_causal(q[i:i + 1], keys[r][:lens[r]], values[r][:lens[r]], 0.4)
-                              for i, r in enumerate(rids)])
-        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    # gathered: the first step, c joining, a leaving, b jumping 3 tokens, b outgrowing the slack
-    assert fills == [[True], [False], [False], [True], [False], [True], [True], [False], [False], [False], [True]]
-
-
-def test_mirrors_past_their_memory_bound_fall_back_to_gathering():
-    kv = torch.zeros(2, NB, BS, HKV, D)
-    row_bytes = HKV * D * 4
-    mirrors = DecodeMirrors([kv[0].data_ptr()], (HKV, D), kv.dtype, max_bytes=2 * 2 * 10 * row_bytes, slack=2)
-    tables = torch.arange(2 * 8, dtype=torch.int32).view(2, 8)
-    small = cpu_decode_index(tables[:1], torch.tensor([8], dtype=torch.int32), BS, (HKV, D), kv.dtype, ["x"], mirrors)
-    assert small.groups[0].mirror is not None  # 2 x 1 row x 10 positions: within the bound
-    both = cpu_decode_index(tables, torch.tensor([9, 9], dtype=torch.int32), BS, (HKV, D), kv.dtype,
-                            ["x", "y"], mirrors)
-    assert both.groups[0].mirror is None and both.groups[0].gathered.numel() > 0
