@@ -49,6 +49,27 @@ def d(text: str, finish: str | None = None) -> TokenDelta:
     return TokenDelta(text, [len(text)], finish_reason=finish)
 
 
+async def first_request(mux: Mux) -> None:
+    """A request to d0 that finishes on its own stream: the mux subscribes to d0 on the way."""
+    warm = Call()
+    w = mux.stream("w", warm)
+    warm.items.put_nowait(StreamStart("d0", False))
+    warm.items.put_nowait([d("ok", "stop")])
+    await w.__anext__()
+    await settle()
+
+
+async def on_channel(mux: Mux, rid: str) -> tuple[Call, object, asyncio.Future]:
+    """`rid` sent to d0, which answers that its deltas come over the channel: (its call, its
+    stream, the stream's first read, pending)."""
+    call = Call()
+    stream = mux.stream(rid, call)
+    reading = asyncio.ensure_future(stream.__anext__())
+    call.items.put_nowait(StreamStart("d0", True))
+    await settle()
+    return call, stream, reading
+
+
 def test_first_on_its_own_stream_then_over_the_channel_several_steps_in_one_read():
     async def go():
         channels = Channels()
@@ -66,11 +87,7 @@ def test_first_on_its_own_stream_then_over_the_channel_several_steps_in_one_read
         got_a = [await a.__anext__()]
         await settle()
         assert subscribed == ["d0"] and "router-1" in channels.open
-        second = Call()
-        b = mux.stream("b", second)
-        reading = asyncio.ensure_future(b.__anext__())
-        second.items.put_nowait(StreamStart("d0", True))
-        await settle()
+        second, b, reading = await on_channel(mux, "b")
         channel = channels.open["router-1"]
         channel.put("b", d("he"))
         await settle()
@@ -101,17 +118,8 @@ def test_a_channel_that_closes_fails_its_requests_as_a_lost_replica():
     async def go():
         channels = Channels()
         mux = Mux(lambda replica: channels.serve("r"), no_cancel)
-        warm = Call()
-        w = mux.stream("w", warm)
-        warm.items.put_nowait(StreamStart("d0", False))
-        warm.items.put_nowait([d("ok", "stop")])
-        await w.__anext__()
-        await settle()
-        call = Call()
-        s = mux.stream("s", call)
-        reading = asyncio.ensure_future(s.__anext__())
-        call.items.put_nowait(StreamStart("d0", True))
-        await settle()
+        await first_request(mux)
+        call, s, reading = await on_channel(mux, "s")
         channel = channels.open["r"]
         channel.put("s", d("a"))
         first = await reading
@@ -159,12 +167,7 @@ def test_a_multiplexed_request_closed_early_is_cancelled_on_its_replica_and_a_cl
             cancelled.append((replica, request_id, channels.cancel(request_id)))
 
         mux = Mux(lambda replica: channels.serve("r"), cancel)
-        warm = Call()
-        w = mux.stream("w", warm)
-        warm.items.put_nowait(StreamStart("d0", False))
-        warm.items.put_nowait([d("ok", "stop")])
-        await w.__anext__()
-        await settle()
+        await first_request(mux)
         waiting = asyncio.Event()
 
         async def decoding(rid: str) -> None:  # stands for DecodeServer.generate on the channel path
@@ -172,11 +175,7 @@ def test_a_multiplexed_request_closed_early_is_cancelled_on_its_replica_and_a_cl
             await waiting.wait()
 
         runs = {rid: asyncio.ensure_future(decoding(rid)) for rid in ("s", "t")}
-        call = Call()
-        s = mux.stream("s", call)
-        reading = asyncio.ensure_future(s.__anext__())
-        call.items.put_nowait(StreamStart("d0", True))
-        await settle()
+        call, s, reading = await on_channel(mux, "s")
         channels.open["r"].put("s", d("a"))
         await reading
         await s.aclose()  # the client hung up
