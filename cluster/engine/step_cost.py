@@ -55,25 +55,23 @@ class StepCost:
             self.per_token_s = None  # one assignment: readers on other threads see old or new
             self.resolved = False
         else:
-            self.fixed_s, self.per_token_s = fit
-            self.resolved = self._slope > 0
+            self.fixed_s, self.per_token_s, self.resolved = fit
 
-    def _fit(self) -> tuple[float, float] | None:
-        """(fixed, per_token), or None while the window cannot tell them apart."""
-        self._slope = 0.0
+    def _fit(self) -> tuple[float, float, bool] | None:
+        """(fixed, per_token, resolved), or None while the window cannot tell them apart."""
         if self._w < MIN_WEIGHT:
             return None
         mean_x, mean_y = self._x / self._w, self._y / self._w
         var_x = self._xx / self._w - mean_x * mean_x
         if var_x < MIN_SPREAD:
             return None
-        slope = self._slope = (self._xy / self._w - mean_x * mean_y) / var_x
+        slope = (self._xy / self._w - mean_x * mean_y) / var_x
         if slope > 0:
-            return max(mean_y - slope * mean_x, 0.0), slope
+            return max(mean_y - slope * mean_x, 0.0), slope, True
         # noise can tilt a fit over a narrow spread below zero (a token costs less than the noise
         # in a step: a tiny model, a GPU); a token never costs nothing, and the average cost per
         # token (fixed part included) is an upper bound to fall back on. `resolved` says so.
-        return 0.0, mean_y / mean_x
+        return 0.0, mean_y / mean_x, False
 
     def extra_seconds(self, num_tokens: int) -> float | None:
         """What `num_tokens` more tokens would add to a step; None while the slope is unknown."""

@@ -192,9 +192,9 @@ def _verify(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [n, Hq, D] are the last n of the ctx positions in k/v [ctx, Hkv, D]."""
     n, ctx = q.shape[0], k.shape[0]
-    # [1, H, n|ctx, D]: with a batch dimension torch's CPU SDPA takes its fused flash kernel
-    # (blocked, causal blocks skipped); 3-D inputs take the unfused math path, which at 1,024
-    # tokens costs ~4x as much (79 vs 19 ms a layer, one thread) and dominated long prefills.
+    # [1, H, n|ctx, D]: with a batch dimension torch's CPU SDPA takes its fused flash kernel;
+    # 3-D inputs take the unfused math path, which at 1,024 tokens costs ~4x as much (79 vs
+    # 19 ms a layer, one thread) and dominated long prefills.
     qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     if n == ctx:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
