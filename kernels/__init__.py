@@ -1,6 +1,7 @@
-"""KV-cache kernels: Triton launchers for CUDA, pure-torch references for CPU.
+"""KV-cache kernels: Triton launchers for CUDA, a C decode-attention kernel and pure-torch
+references for CPU.
 
-`ops_for(device)` picks the set the engine should call; both sets share signatures.
+`ops_for(device, dtype)` picks the set the engine should call; every set shares signatures.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from kernels import cpu_paged_attention
+from kernels.cpu_paged_attention import cpu_paged_decode_attention
 from kernels.pack_kv import pack_kv, unpack_kv
 from kernels.paged_attention import paged_decode_attention
 from kernels.reference import (ref_pack_kv, ref_paged_decode_attention, ref_store_kv,
@@ -18,6 +21,7 @@ from kernels.store_kv import store_kv
 __all__ = [
     "KernelOps", "ops_for",
     "store_kv", "paged_decode_attention", "pack_kv", "unpack_kv",
+    "cpu_paged_decode_attention",
     "ref_store_kv", "ref_paged_decode_attention", "ref_pack_kv", "ref_unpack_kv",
 ]
 
@@ -27,12 +31,21 @@ class KernelOps(NamedTuple):
     paged_decode_attention: Callable[..., torch.Tensor]
     pack_kv: Callable[..., torch.Tensor]
     unpack_kv: Callable[..., None]
+    # False: `paged_decode_attention` is only a reference, and the CPU engine gathers each
+    # decode's K/V rows with its own index (cluster/models/attention.py) rather than call it.
+    decode_in_place: bool = True
 
 
 TRITON_OPS = KernelOps(store_kv, paged_decode_attention, pack_kv, unpack_kv)
-REFERENCE_OPS = KernelOps(ref_store_kv, ref_paged_decode_attention, ref_pack_kv, ref_unpack_kv)
+REFERENCE_OPS = KernelOps(ref_store_kv, ref_paged_decode_attention, ref_pack_kv, ref_unpack_kv, False)
+CPU_OPS = REFERENCE_OPS._replace(paged_decode_attention=cpu_paged_decode_attention, decode_in_place=True)
 
 
-def ops_for(device: torch.device) -> KernelOps:
-    """Triton launchers on CUDA devices, the torch references everywhere else."""
-    return TRITON_OPS if device.type == "cuda" else REFERENCE_OPS
+def ops_for(device: torch.device, dtype: torch.dtype = torch.float32) -> KernelOps:
+    """Triton launchers on CUDA devices; on the CPU in float32, the C decode kernel where this
+    machine can build it (kernels/cpu_paged_attention.py); the torch references otherwise."""
+    if device.type == "cuda":
+        return TRITON_OPS
+    if dtype == torch.float32 and cpu_paged_attention.available():
+        return CPU_OPS
+    return REFERENCE_OPS

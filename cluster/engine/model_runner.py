@@ -66,7 +66,7 @@ class ModelRunner:
                  max_graph_rows: int = 64) -> None:
         self.device = pick_device(model_config.device)
         self.dtype = pick_dtype(model_config.dtype, self.device)
-        self.ops = ops_for(self.device)
+        self.ops = ops_for(self.device, self.dtype)
         self.arch = arch
         self.block_size = cache_config.block_size
         self.model = load_model(model_path, arch, self.ops, self.dtype, self.device, max_model_len)
@@ -218,7 +218,7 @@ class ModelRunner:
             decode_context_lens=lens,
             prefills=tuple(prefills),
             cpu_decode=(cpu_decode_index(tables, lens, bs, self.kv_cache.shape[-2:], self.kv_cache.dtype)
-                        if dec_lens and self.device.type == "cpu" else None),
+                        if dec_lens and not self.ops.decode_in_place else None),
             cpu_verify=(cpu_verify_index(verify, bs, self.kv_cache.shape[-2:], self.kv_cache.dtype, self.device)
                         if verify else ()),
         )

@@ -1,0 +1,123 @@
+"""Paged decode attention on the CPU: a small C kernel (cpu_paged_attention.c) that reads K/V
+from the cache blocks in place, built once per machine and loaded with ctypes.
+
+The torch path it replaces gathers every decode sequence's K/V rows into a contiguous buffer
+each layer (`index_select`) and then runs SDPA over the copy: two passes over the context plus
+a write. On the 2-core EPYC, default model, 16 chats of ~200 tokens, one thread, the two
+took 27 of a 67 ms engine step (13.6 gather + 12.9 SDPA); this kernel reads each row once.
+
+Built with the system C compiler (`$CC`, else `cc`) into
+`$XDG_CACHE_HOME/tandem/kernels/` (default `~/.cache/tandem/kernels/`), keyed by the source,
+the flags and the CPU's feature flags (`-march=native` code must not move to another CPU). A
+build goes to a temporary name and is renamed into place, so replicas starting together do
+not read half a file. No compiler, a failed build, or `TANDEM_CPU_KERNELS=0`: `load()` returns
+None and the engine keeps the torch path (kernels/reference.py's gather + SDPA).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_suffix(".c")
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-shared", "-fPIC")
+_I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "tandem" / "kernels"
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The built library, building it if this machine has none yet; None when unavailable."""
+    if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
+        return None
+    cc = os.environ.get("CC", "cc")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(FLAGS).encode(), _cpu_flags().encode()]))
+    target = _cache_dir() / f"cpu_paged_attention-{key.hexdigest()[:16]}.so"
+    try:
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+            os.close(fd)
+            try:
+                subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], check=True, capture_output=True,
+                               timeout=120)
+                os.replace(tmp, target)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        log.warning("CPU attention kernel unavailable (%s%s); using the torch path", e,
+                    f": {detail.decode(errors='replace')[:500]}" if detail else "")
+        return None
+    fn = lib.tandem_paged_decode_f32
+    fn.restype = None
+    fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _PTR]
+    return lib
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def cpu_paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, context_lens: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+    """Same contract as `ref_paged_decode_attention` (kernels/reference.py): query [B, Hq, D],
+    caches [num_blocks, block_size, Hkv, D], block_tables [B, W] int32, context_lens [B] int32
+    (each >= 1) → [B, Hq, D]. fp32 CPU tensors; the caches must be contiguous."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("the CPU attention kernel is not built on this machine (kernels/cpu_paged_attention.py)")
+    batch, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, cache_dim = k_cache.shape
+    for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            raise TypeError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or v_cache.shape != k_cache.shape:
+        raise ValueError("k_cache and v_cache must be contiguous and of the same shape")
+    if cache_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"query {tuple(query.shape)} does not fit caches {tuple(k_cache.shape)}")
+    out = torch.empty_like(query)
+    if batch == 0:
+        return out
+    q = query.contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = context_lens.to(torch.int32).contiguous()
+    if tables.shape[0] != batch or lens.shape != (batch,):
+        raise ValueError(f"block_tables {tuple(tables.shape)} / context_lens {tuple(lens.shape)} do not match "
+                         f"batch {batch}")
+    max_len = int(lens.max())
+    if int(lens.min()) < 1 or max_len > tables.shape[1] * block_size:
+        raise ValueError(f"context_lens must be in [1, {tables.shape[1] * block_size}]")
+    scores = torch.empty(num_heads * max_len, dtype=torch.float32)
+    lib.tandem_paged_decode_f32(q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                tables.data_ptr(), tables.shape[1], lens.data_ptr(), batch, num_heads,
+                                num_kv_heads, head_dim, block_size, scale, scores.data_ptr())
+    return out

@@ -1,0 +1,77 @@
+"""The C decode-attention kernel (kernels/cpu_paged_attention.py) against the torch reference,
+and the engine's choice of it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kernels import CPU_OPS, REFERENCE_OPS, ops_for, ref_paged_decode_attention
+from kernels.cpu_paged_attention import cpu_paged_decode_attention
+
+
+def _case(batch, q_heads, kv_heads, dim, block_size, lens, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    width = -(-max(lens) // block_size)
+    num_blocks = batch * width + 5
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
+    # blocks scattered over the cache, as a long-running engine leaves them; unused entries of a
+    # short sequence's row point at a block the reference would also ignore
+    tables = torch.randperm(num_blocks, generator=gen)[: batch * width].view(batch, width).to(torch.int32)
+    query = torch.randn(batch, q_heads, dim, generator=gen)
+    return query, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("batch,q_heads,kv_heads,dim,block_size,lens", [
+    (1, 1, 1, 8, 4, [1]),  # one token of context
+    (3, 9, 3, 64, 16, [16, 17, 250]),  # the default model's heads; a block boundary; a long one
+    (4, 4, 4, 32, 8, [5, 40, 8, 1]),  # no GQA
+    (2, 8, 1, 48, 16, [33, 700]),  # multi-query, a head size that is not a power of two
+    (16, 9, 3, 64, 16, [150 + 9 * i for i in range(16)]),  # 16 chats, as bench/serve.py's load
+])
+def test_cpu_decode_kernel_matches_reference(batch, q_heads, kv_heads, dim, block_size, lens):
+    query, k_cache, v_cache, tables, context_lens = _case(batch, q_heads, kv_heads, dim, block_size, lens)
+    got = cpu_paged_decode_attention(query, k_cache, v_cache, tables, context_lens, 0.3)
+    want = ref_paged_decode_attention(query, k_cache, v_cache, tables, context_lens, 0.3)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_decode_kernel_reads_only_each_sequences_context():
+    """Cache rows past a sequence's length (stale tokens of a freed request) must not leak in."""
+    query, k_cache, v_cache, tables, lens = _case(2, 9, 3, 64, 16, [20, 9])
+    before = cpu_paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.125)
+    for b, n in enumerate(lens.tolist()):  # poison every slot after the last valid position
+        for pos in range(n, tables.shape[1] * 16):
+            block, off = int(tables[b, pos // 16]), pos % 16
+            k_cache[block, off] = 1e4
+            v_cache[block, off] = float("nan")
+    after = cpu_paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.125)
+    assert torch.equal(before, after)
+
+
+def test_cpu_decode_kernel_rejects_bad_arguments():
+    query, k_cache, v_cache, tables, lens = _case(2, 9, 3, 64, 16, [20, 9])
+    with pytest.raises(TypeError, match="float32"):
+        cpu_paged_decode_attention(query.double(), k_cache, v_cache, tables, lens, 0.1)
+    with pytest.raises(ValueError, match="context_lens"):
+        cpu_paged_decode_attention(query, k_cache, v_cache, tables, torch.tensor([0, 9], dtype=torch.int32), 0.1)
+    with pytest.raises(ValueError, match="context_lens"):
+        cpu_paged_decode_attention(query, k_cache, v_cache, tables, torch.tensor([20, 10_000], dtype=torch.int32),
+                                   0.1)
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu_paged_decode_attention(query[:, :, :32], k_cache, v_cache, tables, lens, 0.1)
+
+
+def test_engine_uses_the_kernel_on_cpu_float32_and_the_torch_path_otherwise():
+    assert ops_for(torch.device("cpu"), torch.float32) is CPU_OPS
+    assert ops_for(torch.device("cpu"), torch.bfloat16) is REFERENCE_OPS
+    # TANDEM_CPU_KERNELS=0 turns it off (A/B benches): a fresh process sees the torch path
+    code = ("import torch; from kernels import ops_for, REFERENCE_OPS; "
+            "assert ops_for(torch.device('cpu')) is REFERENCE_OPS")
+    env = {**os.environ, "TANDEM_CPU_KERNELS": "0"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
