@@ -79,6 +79,9 @@ def load() -> ctypes.CDLL | None:
     fn = lib.tandem_paged_decode_f32
     fn.restype = None
     fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _PTR]
+    fn = lib.tandem_prefill_attention_f32
+    fn.restype = None
+    fn.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _PTR]
     return lib
 
 
@@ -120,4 +123,36 @@ def cpu_paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cac
     lib.tandem_paged_decode_f32(q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                 tables.data_ptr(), tables.shape[1], lens.data_ptr(), batch, num_heads,
                                 num_kv_heads, head_dim, block_size, scale, scores.data_ptr())
+    return out
+
+
+_QT, _KT, _RB = 8, 64, 4  # the C file's query tile, key tile and rows per pass
+
+
+def cpu_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of a prefill chunk: query [n, Hq, D] are the last n of the ctx positions
+    in key/value [ctx, Hkv, D] (query i sees positions <= ctx - n + i) → [n, Hq, D]. fp32 CPU
+    tensors; rows may be strided (views into a fused qkv projection), each row's heads contiguous."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("the CPU attention kernel is not built on this machine (kernels/cpu_paged_attention.py)")
+    (n, num_heads, head_dim), (ctx, num_kv_heads, _) = query.shape, key.shape
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            raise TypeError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+    if key.shape != value.shape or key.shape[2] != head_dim or num_heads % num_kv_heads or n > ctx or head_dim % 64:
+        raise ValueError(f"query {tuple(query.shape)} does not fit key {tuple(key.shape)} / value "
+                         f"{tuple(value.shape)}")
+    query, key, value = (t if t.stride(2) == 1 and t.stride(1) == head_dim else t.contiguous()
+                         for t in (query, key, value))
+    if key.stride(0) != value.stride(0):
+        key, value = key.contiguous(), value.contiguous()
+    out = torch.empty(n, num_heads, head_dim, dtype=torch.float32)
+    if n == 0:
+        return out
+    rows = _QT * num_heads // num_kv_heads + _RB
+    scratch = torch.empty(2 * rows * head_dim + 2 * rows + head_dim * (-(-ctx // _KT) * _KT + 16), dtype=torch.float32)
+    lib.tandem_prefill_attention_f32(query.data_ptr(), query.stride(0), key.data_ptr(), value.data_ptr(),
+                                     key.stride(0), out.data_ptr(), out.stride(0), n, ctx, num_heads,
+                                     num_kv_heads, head_dim, scale, scratch.data_ptr())
     return out

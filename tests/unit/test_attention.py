@@ -7,7 +7,7 @@ import torch
 
 from cluster.models.attention import (AttentionMetadata, PrefillChunk, cpu_decode_index, cpu_verify_index,
                                       paged_attention)
-from kernels import REFERENCE_OPS
+from kernels import CPU_OPS, REFERENCE_OPS
 
 BS, HKV, HQ, D, NB = 4, 2, 6, 8, 40
 
@@ -22,9 +22,11 @@ def dense_causal(q, k, v, scale):
     return torch.einsum("hnc,chd->nhd", probs, v)
 
 
-@pytest.mark.parametrize("cpu_index,verify", [(False, False), (True, False), (True, True)],
-                         ids=["kernels", "cpu decode index", "cpu verify batch"])
-def test_mixed_step_of_decodes_and_prefill_chunks_equals_dense_attention(cpu_index, verify):
+@pytest.mark.parametrize("cpu_index,verify,ops,D", [
+    (False, False, REFERENCE_OPS, D), (True, False, REFERENCE_OPS, D), (True, True, REFERENCE_OPS, D),
+    (False, False, CPU_OPS, 64),  # the C kernels (head size a multiple of 64, as they take it)
+], ids=["kernels", "cpu decode index", "cpu verify batch", "cpu C kernels"])
+def test_mixed_step_of_decodes_and_prefill_chunks_equals_dense_attention(cpu_index, verify, ops, D):
     """`verify`: the short chunks over a cached context (a token and its drafts: (6, 5), (11, 2))
     attend in one batched call (cpu_verify), not one call each."""
     gen = torch.Generator().manual_seed(3)
@@ -59,8 +61,12 @@ def test_mixed_step_of_decodes_and_prefill_chunks_equals_dense_attention(cpu_ind
                              cpu_decode_index(dec_tables, dec_lens, BS, (HKV, D), kv.dtype) if cpu_index else None,
                              cpu_verify_index(short, BS, (HKV, D), kv.dtype, kv.device) if short else ())
 
-    out = paged_attention(torch.cat(q_parts), torch.cat(k_parts), torch.cat(v_parts), kv, meta,
-                          REFERENCE_OPS, 0.3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as a replica runs: the C prefill kernel is taken only on one thread
+    try:
+        out = paged_attention(torch.cat(q_parts), torch.cat(k_parts), torch.cat(v_parts), kv, meta, ops, 0.3)
+    finally:
+        torch.set_num_threads(threads)
     expected = torch.cat([dense_causal(q, k, v, 0.3) for q, k, v in zip(q_parts, full_k, full_v)])
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     # and the step's new K/V landed in their slots

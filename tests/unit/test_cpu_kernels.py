@@ -1,5 +1,5 @@
-"""The C decode-attention kernel (kernels/cpu_paged_attention.py) against the torch reference,
-and the engine's choice of it."""
+"""The C attention kernels (kernels/cpu_paged_attention.py) against torch references, and the
+engine's choice of them."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernels import CPU_OPS, REFERENCE_OPS, ops_for, ref_paged_decode_attention
-from kernels.cpu_paged_attention import cpu_paged_decode_attention
+from kernels.cpu_paged_attention import cpu_paged_decode_attention, cpu_prefill_attention
 
 
 def _case(batch, q_heads, kv_heads, dim, block_size, lens, seed=0):
@@ -67,8 +67,54 @@ def test_cpu_decode_kernel_rejects_bad_arguments():
         cpu_paged_decode_attention(query[:, :, :32], k_cache, v_cache, tables, lens, 0.1)
 
 
+def _dense_causal(q, k, v, scale):
+    """q [n, Hq, D] are the last n of ctx positions in k/v [ctx, Hkv, D]: plain softmax(QK^T)V."""
+    n, ctx, group = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    seen = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]
+    return torch.einsum("hqk,khd->qhd", scores.masked_fill(~seen, float("-inf")).softmax(-1), v)
+
+
+@pytest.mark.parametrize("n,ctx,q_heads,kv_heads,dim", [
+    (1, 1, 1, 1, 64),  # one token
+    (512, 512, 9, 3, 64),  # the default model's first chunk of a long prompt
+    (488, 1000, 9, 3, 64),  # ... and its second, over the cached first
+    (37, 37, 9, 3, 64),  # not a multiple of the 8-query tile nor the 64-key tile
+    (5, 300, 8, 1, 128),  # a short chunk after a long prefix; multi-query, D 128
+    (70, 129, 4, 4, 64),  # no GQA; one key past two tiles
+])
+def test_cpu_prefill_kernel_matches_dense_causal_attention(n, ctx, q_heads, kv_heads, dim):
+    gen = torch.Generator().manual_seed(n + ctx)
+    q = torch.randn(n, q_heads, dim, generator=gen)
+    k, v = (torch.randn(ctx, kv_heads, dim, generator=gen) for _ in range(2))
+    torch.testing.assert_close(cpu_prefill_attention(q, k, v, 0.125), _dense_causal(q, k, v, 0.125),
+                               atol=2e-5, rtol=2e-5)
+
+
+def test_cpu_prefill_kernel_reads_strided_rows_of_a_fused_projection():
+    """The model hands it q/k/v as views into one [T, Hq + 2 Hkv, D] qkv tensor."""
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(50, 9 + 2 * 3, 64, generator=gen)
+    q, k, v = qkv[:, :9], qkv[:, 9:12], qkv[:, 12:]
+    assert not q.is_contiguous() and not k.is_contiguous()
+    torch.testing.assert_close(cpu_prefill_attention(q, k, v, 0.2), _dense_causal(q, k, v, 0.2),
+                               atol=2e-5, rtol=2e-5)
+
+
+def test_cpu_prefill_kernel_rejects_bad_arguments():
+    q, k = torch.randn(4, 9, 64), torch.randn(6, 3, 64)
+    with pytest.raises(TypeError, match="float32"):
+        cpu_prefill_attention(q.bfloat16(), k, k, 0.1)
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu_prefill_attention(q, k[:3], k[:3], 0.1)  # more queries than context
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu_prefill_attention(q[..., :48], k[..., :48], k[..., :48], 0.1)  # D not a multiple of 64
+
+
 def test_engine_uses_the_kernel_on_cpu_float32_and_the_torch_path_otherwise():
     assert ops_for(torch.device("cpu"), torch.float32) is CPU_OPS
+    assert CPU_OPS.prefill_attention is cpu_prefill_attention and REFERENCE_OPS.prefill_attention is None
     assert ops_for(torch.device("cpu"), torch.bfloat16) is REFERENCE_OPS
     # TANDEM_CPU_KERNELS=0 turns it off (A/B benches): a fresh process sees the torch path
     code = ("import torch; from kernels import ops_for, REFERENCE_OPS; "
