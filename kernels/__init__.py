@@ -1,5 +1,5 @@
-"""KV-cache kernels: Triton launchers for CUDA, a C decode-attention kernel and pure-torch
-references for CPU.
+"""KV-cache kernels: Triton launchers for CUDA; C attention kernels (paged decode, causal
+prefill) and pure-torch references for CPU.
 
 `ops_for(device, dtype)` picks the set the engine should call; every set shares signatures.
 """
