@@ -83,7 +83,12 @@ class SchedulerConfig:
     first, then arrival; engine/scheduler.py). `prefill_schedule`, for prefill-only prompts (the
     prefill pool), within a priority: "ttft" (the earliest of arrival + own compute time first,
     and no more prompts in a step than shortens the average time to first token) or "fcfs"
-    (arrival order, as many as the budget holds).
+    (arrival order, as many as the budget holds). `max_step_ms`: while requests decode, the
+    prompt tokens a step carries beside them are cut so that the step's measured cost
+    (engine/step_cost.py) stays within this many ms (at least MIN_PROMPT_CHUNK of them), so a
+    long prompt's stall is spread over steps that each keep the streams' inter-token latency
+    (Sarathi-Serve's budget from the ITL target); 0: only `max_num_batched_tokens` bounds a step.
+    The decode pool of a disaggregated app takes 0.8 x the app's `itl_slo_ms` here.
     """
 
     max_num_seqs: int = 64
@@ -92,8 +97,12 @@ class SchedulerConfig:
     max_waiting: int = 4096
     scheduling_policy: str = "fcfs"
     prefill_schedule: str = "ttft"
+    max_step_ms: float = 0.0
 
     def __post_init__(self) -> None:
+        step = self.max_step_ms
+        if not isinstance(step, (int, float)) or isinstance(step, bool) or not 0 <= step < float("inf"):
+            raise ValueError(f"max_step_ms must be a number >= 0, got {step!r}")
         if self.prefill_schedule not in PREFILL_SCHEDULES:
             raise ValueError(f"prefill_schedule must be one of {PREFILL_SCHEDULES}, got {self.prefill_schedule!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -262,6 +271,7 @@ class KVTransferConfig:
 
 
 MODES = ("disaggregated", "colocated")
+STEP_HEADROOM = 0.8  # a decode replica placing by SLO keeps its steps to this share of itl_slo_ms
 
 
 @dataclass(frozen=True)
@@ -328,6 +338,17 @@ class AppConfig:
         if spec is None or spec.method == "draft_model":
             return self.engine
         return replace(self.engine, speculative=None)
+
+    @property
+    def decode_engine(self) -> EngineConfig:
+        """The decode pool's engine: placing prompts by SLO, its steps keep `itl_slo_ms` while
+        streams decode (a prompt prefilled there is cut into steps of at most STEP_HEADROOM of
+        it: the fit's error and the neighbours' CPU take the rest; SchedulerConfig.max_step_ms).
+        An engine `max_step_ms` set in the YAML wins."""
+        sched = self.engine.scheduler
+        if self.mode != "disaggregated" or not self.itl_slo_ms or sched.max_step_ms:
+            return self.engine
+        return replace(self.engine, scheduler=replace(sched, max_step_ms=STEP_HEADROOM * self.itl_slo_ms))
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

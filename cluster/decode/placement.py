@@ -6,18 +6,25 @@ costs both pools measure (plain values, no torch).
     remote       prefill queue + own prompt on a prefill replica  unchanged
                  + KV transfer + one decode step to join
     local        this replica's queue + own prompt, in steps      each step it shares grows by
-                 of `max_num_batched_tokens` beside the streams   its prompt tokens' cost
+                 of `max_num_batched_tokens` beside the streams,  its prompt tokens' cost: at
+                 or of what keeps a step within the ITL SLO       most up to the ITL SLO, when
+                 while they decode (SchedulerConfig.max_step_ms)  the engine cuts steps to it
 
 A step costs `fixed + per_token x tokens` (engine/step_cost.py, each pool its own fit). The
-choice: of the placements that keep both SLOs, the one with the earlier first token; when
-neither keeps both, the one that breaks them least (the larger of TTFT / TTFT SLO and
-ITL / ITL SLO). Unknown costs (a pool not measured yet): remote, as without SLOs.
+choice: of the placements that keep both SLOs, the one with the earlier first token, except that
+a prompt the streams' steps would carry in several cut steps goes remote when remote keeps the
+SLOs too (the prefill pool is there to spare the streams that stall; here it is the rescue for a
+prompt the pool's queue would make late); when neither keeps both, the one that breaks them
+least (the larger of TTFT / TTFT SLO and ITL / ITL SLO). Unknown costs (a pool not measured
+yet): remote, as without SLOs.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from cluster.engine.scheduler import prompt_room
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,7 @@ class PlacementInputs:
     step_budget: int  # max_num_batched_tokens
     prefill: PrefillPoolView | None  # None: no fresh report from the prefill pool
     transfer_s: float  # a hand-off's KV send + receive, recently
+    max_step_s: float = 0.0  # the engine's cap on a step while streams decode (0: none)
 
 
 @dataclass(frozen=True)
@@ -77,14 +85,24 @@ class Placement:
         return {"placement": self.where, "placement_reason": self.reason, **ms}
 
 
-def estimate_local(inp: PlacementInputs) -> tuple[float, float]:
-    """(TTFT, the streams' ITL meanwhile) if R is prefilled here: the queued prompts and R's run
-    in steps of `step_budget` tokens, each also carrying a token per running stream."""
+def local_steps(inp: PlacementInputs) -> tuple[int, int]:
+    """(prompt tokens per step beside the running streams, steps until R's first token) here."""
     d = inp.decode
     assert d is not None
-    room = max(1, inp.step_budget - inp.running)  # prompt tokens per step beside the streams
+    room = max(1, inp.step_budget - inp.running)
+    if inp.max_step_s and inp.running and d.per_token_s > 0:  # as the scheduler cuts them
+        room = prompt_room(inp.max_step_s, d.fixed_s, d.per_token_s, inp.running, inp.step_budget)
+    return room, max(1, math.ceil((inp.waiting_tokens + inp.uncached_tokens) / room))
+
+
+def estimate_local(inp: PlacementInputs) -> tuple[float, float]:
+    """(TTFT, the streams' ITL meanwhile) if R is prefilled here: the queued prompts and R's run
+    in steps of `step_budget` tokens (or fewer, cut to the ITL SLO), each also carrying a token
+    per running stream."""
+    d = inp.decode
+    assert d is not None
+    room, steps = local_steps(inp)
     prompt = inp.waiting_tokens + inp.uncached_tokens
-    steps = max(1, math.ceil(prompt / room))
     ttft = steps * d.fixed_s + d.per_token_s * (prompt + steps * inp.running)
     itl = d.step_s(inp.running + min(prompt, room))
     return ttft, itl
@@ -111,6 +129,8 @@ def place(inp: PlacementInputs, ttft_slo_s: float | None, itl_slo_s: float | Non
     local_ok = local_ttft <= ttft_slo and local_itl <= itl_slo
     remote_ok = remote_ttft <= ttft_slo
     if local_ok and remote_ok:
+        if inp.running and inp.uncached_tokens > local_steps(inp)[0]:
+            return Placement("remote", "both keep the SLOs: remote spares the streams a stall of several steps", **seen)
         where = "local" if local_ttft < remote_ttft else "remote"
         return Placement(where, "both keep the SLOs: the earlier first token", **seen)
     if local_ok or remote_ok:

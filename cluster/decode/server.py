@@ -47,7 +47,8 @@ from cluster.cache_report import cache_report
 from cluster.sampling_params import SamplingParams
 
 
-PREFILL_POOL_KEYS = ("queued_work", "step_fixed_s", "step_s_per_token", "max_num_batched_tokens")
+PREFILL_POOL_KEYS = ("queued_work", "step_fixed_s", "step_s_per_token", "max_num_batched_tokens", "posted_at")
+REPORT_LAG_S = 0.1  # a prompt sent this long before a report was collected is in it (a handle call's time)
 TRANSFER_EWMA = 0.2
 POOL_VIEW_STALE_S = 5.0  # a prefill pool view this old (its watcher failing) is not used
 
@@ -55,7 +56,7 @@ POOL_VIEW_STALE_S = 5.0  # a prefill pool view this old (its watcher failing) is
 class DecodeServer:
     def __init__(self, config: AppConfig, engine: LLMEngine | None = None) -> None:
         self.config = config
-        engine = engine or LLMEngine(config.engine)
+        engine = engine or LLMEngine(config.decode_engine)
         self.connector = None
         self.importer: KVImporter | None = None
         if config.mode == "disaggregated":
@@ -65,6 +66,7 @@ class DecodeServer:
             if config.local_prefill_budget_ms or config.ttft_slo_ms or config.itl_slo_ms:  # know what a
                 # token costs before the first request
                 engine.calibrate()
+        self._max_step_s = engine.config.scheduler.max_step_ms / 1e3  # its steps' cap while streams decode
         self.engine = AsyncEngine(engine)
         self.channels = Channels()  # the routers' multiplexed token streams
         self.name = ""  # this replica's id, in traces
@@ -74,7 +76,7 @@ class DecodeServer:
         self._acks: set[asyncio.Task] = set()
         self._landing: dict[tuple, asyncio.Event] = {}  # (prompt, salt) → set once its KV landed here
         self._prefill_pool: PrefillPoolView | None = None  # as its replicas last posted (placement by SLO)
-        self._sent_since_report: list[int] = []  # prompts sent there since (their tokens)
+        self._sent_since_report: list[tuple[float, int]] = []  # prompts sent there lately: (wall time, tokens)
         self._pool_seen_at = 0.0
         self._placing_here: dict[str, int] = {}  # placed here, not yet in the engine's queue: their tokens
         self._transfer_s = 0.01  # a hand-off's send + receive lately (EWMA), seconds
@@ -166,7 +168,7 @@ class DecodeServer:
         placement = place(self._placement_inputs(uncached), self.config.ttft_slo_ms / 1e3, self.config.itl_slo_ms / 1e3)
         trace.update(placement.trace())
         if placement.where == "remote":
-            self._sent_since_report.append(uncached)
+            self._sent_since_report.append((time.time(), uncached))
             return False
         self._placing_here[rid] = uncached  # until the engine's queue holds it: a burst sees its peers
         self.counters["prefilled_locally_slo"] += 1
@@ -190,17 +192,21 @@ class DecodeServer:
         queued = tuple(w for r in live for w in r.get("queued_work") or ())
         self._prefill_pool = PrefillPoolView(StepCosts(fixed, per_token), queued, len(live),
                                              min(r.get("max_num_batched_tokens") or 512 for r in live))
-        self._sent_since_report = []
+        # a report was collected a while before it reached here: the prompts sent since (or just
+        # before, still on their way) are not in it
+        collected = min((r.get("posted_at") or 0.0) for r in live) - REPORT_LAG_S
+        self._sent_since_report = [(t, n) for t, n in self._sent_since_report if t > collected]
 
     def _placement_inputs(self, uncached: int) -> PlacementInputs:
         load = self.engine.load()
         costs = self.engine.step_costs()
         pool = self._prefill_pool if time.monotonic() - self._pool_seen_at <= POOL_VIEW_STALE_S else None
         if pool is not None and self._sent_since_report:  # sent there since the pool last posted
-            pool = dataclasses.replace(pool, queued=pool.queued + tuple(self._sent_since_report))
+            pool = dataclasses.replace(pool, queued=pool.queued + tuple(n for _, n in self._sent_since_report))
         waiting = load.waiting_tokens + sum(self._placing_here.values())
         return PlacementInputs(uncached, StepCosts(*costs) if costs else None, load.num_running, waiting,
-                               self.config.engine.scheduler.max_num_batched_tokens, pool, self._transfer_s)
+                               self.config.engine.scheduler.max_num_batched_tokens, pool, self._transfer_s,
+                               self._max_step_s)
 
     async def _remote_prefill(self, rid: str, prompt: list[int], params: SamplingParams,
                               prefill: PrefillClient, trace: dict[str, Any]) -> None:

@@ -96,7 +96,8 @@ class EngineLoad(NamedTuple):
 
     num_running: int
     num_waiting: int  # queued for a step, or for their remote KV
-    waiting_tokens: int  # prompt tokens the queued ones (not those awaiting KV) have to compute
+    waiting_tokens: int  # prompt tokens still to compute: the queued ones' (not those awaiting KV)
+    #                      and the rest of any prompt being computed in chunks
     free_blocks: int
     used_blocks: int
     num_blocks: int
@@ -198,6 +199,7 @@ class AsyncEngine:
         e = self.engine
         s = e.scheduler
         waiting_tokens = sum(r.num_tokens - r.num_computed_tokens for r in list(s.waiting))
+        waiting_tokens += sum(left for r in list(s.running) if (left := r.num_tokens - r.num_computed_tokens) > 1)
         return EngineLoad(len(s.running), len(s.waiting) + len(s.remote), waiting_tokens, e.blocks.num_free_blocks,
                           e.blocks.num_used_blocks, e.blocks.num_blocks)
 

@@ -15,6 +15,11 @@ that order, the waiting one ranked first is admitted next (and nothing behind it
 unless it waits for blocks being computed),
 and the victim of a preemption is the running request ranked last.
 
+`max_step_ms` (a decode replica's ITL SLO): while requests decode, the prompt tokens a step
+carries (running prompts' chunks first, then admissions) are cut to what keeps the step's fitted
+cost within it, at least MIN_PROMPT_CHUNK, so a long prompt's stall is spread over steps that
+each keep the streams' inter-token latency.
+
 `prefill_schedule: ttft` (default), for prefill-only prompts (a prefill replica's, where a step
 is what every prompt in it waits on for its first token), within a priority:
 - Order: the earliest `arrival + own compute time` first (the step cost's per-token fit times
@@ -43,6 +48,7 @@ from cluster.engine.request import Request, RequestStatus
 from cluster.engine.step_cost import StepCost
 
 MAX_DEFERRED = 64  # waiting requests passed over in one step while their shared blocks compute
+MIN_PROMPT_CHUNK = 16  # prompt tokens a step carries at least under `max_step_ms`
 
 
 @dataclass(frozen=True)
@@ -150,22 +156,43 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         if self.by_priority:  # the request ranked last is the tail, where victims come from
             self.running.sort(key=_rank)
+        prompt_room = self._prompt_room()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n > 1:  # a prompt's chunk (or a preempted request's recompute)
+                n = min(n, prompt_room)
+                if n <= 0:
+                    i += 1
+                    continue
+                prompt_room -= n
             if not self._reserve_or_preempt(req, n, plan):
                 break
             plan.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
             budget -= n
             i += 1
         if not plan.preempted:
-            self._admit_waiting(plan, budget)
+            self._admit_waiting(plan, min(budget, prompt_room))
         now = time.monotonic()
         for chunk in plan.chunks:
             if chunk.request.queue_s is None:
                 chunk.request.queue_s = now - chunk.request.ready_at
         return plan
+
+    def _prompt_room(self) -> int:
+        """Prompt tokens this step may carry: under `max_step_ms`, while requests decode, what keeps
+        the step's fitted cost within it (never below MIN_PROMPT_CHUNK: a prompt always moves on);
+        otherwise the whole budget."""
+        budget = self.config.max_num_batched_tokens
+        cap_s = self.config.max_step_ms / 1e3
+        cost = self.step_cost
+        if not cap_s or not cost.resolved or cost.fixed_s is None or not cost.per_token_s:
+            return budget
+        decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        if not decoding:
+            return budget
+        return prompt_room(cap_s, cost.fixed_s, cost.per_token_s, decoding, budget)
 
     def _reserve_or_preempt(self, req: Request, n: int, plan: StepPlan) -> bool:
         while not self.blocks.allocate(req, n):
@@ -328,6 +355,14 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+
+def prompt_room(cap_s: float, fixed_s: float, per_token_s: float, decoding: int, budget: int) -> int:
+    """Prompt tokens a step may add beside `decoding` one-token streams and still cost at most
+    `cap_s` by the fit `fixed + per_token x tokens` (at least MIN_PROMPT_CHUNK, at most what the
+    budget leaves); the decode replica's placement estimates (decode/placement.py) use it too."""
+    room = int((cap_s - fixed_s) / per_token_s) - decoding
+    return max(MIN_PROMPT_CHUNK, min(room, budget - decoding))
 
 
 def _rank(req: Request) -> tuple[int, float]:

@@ -104,6 +104,58 @@ def test_each_prompt_alone_equals_inside_a_batch_of_eight(tiny_model_paths, alon
     assert stats["blocks_in_use"] == 0 and stats["num_running"] == stats["num_waiting"] == 0
 
 
+def test_steps_cut_to_max_step_ms_give_the_same_tokens_and_keep_the_cut(tiny_model_paths, alone_tokens):
+    """A decode replica's steps under the ITL SLO (max_step_ms): with a pinned cost of 10 ms + 1 ms
+    a token and a 50 ms cap, a step beside d decoding streams carries at most 40 - d prompt
+    tokens (and at least 16), and every reply is the one each prompt gets alone."""
+    from cluster.engine.step_cost import StepCost
+
+    llm = LLM(str(tiny_model_paths["llama"]), max_step_ms=50)
+    sched = llm.engine.scheduler
+    pinned = StepCost()
+    pinned.fixed_s, pinned.per_token_s, pinned.resolved = 0.010, 0.001, True
+    sched.step_cost = pinned  # the engine goes on fitting its own; the scheduler reads this one
+    plans, schedule = [], sched.schedule
+
+    def recording():
+        decoding = sum(1 for r in sched.running if r.num_tokens - r.num_computed_tokens == 1)
+        plan = schedule()
+        plans.append((decoding, plan.num_tokens - sum(1 for c in plan.chunks if c.num_tokens == 1)))
+        return plan
+
+    sched.schedule = recording
+    engine, params, replies = llm.engine, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), {}
+    prompts = mixed_prompts()
+    for i in (0, 2, 4, 6):  # short ones decode first, then the longer ones arrive beside them
+        engine.add_request(f"p{i}", prompts[i], params)
+    for _ in range(3):
+        engine.step()
+    for i in (1, 3, 5, 7):
+        engine.add_request(f"p{i}", prompts[i], params)
+    while engine.has_unfinished_requests():
+        replies.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    assert [replies[f"p{i}"] for i in range(8)] == alone_tokens
+    cut = [(d, prompt) for d, prompt in plans if d and prompt]
+    assert cut and all(prompt <= max(16, 40 - d) for d, prompt in cut)
+    assert any(prompt == 40 - d for d, prompt in cut)  # it binds: 228 prompt tokens came at once
+
+
+def test_the_load_a_replica_reports_counts_the_rest_of_a_prompt_being_computed_in_chunks(tiny_model_paths):
+    """Placement by SLO adds a replica's `waiting_tokens` ahead of a prompt it might prefill
+    itself: a prompt part-way through its chunks still has the rest to compute."""
+    from types import SimpleNamespace
+
+    from cluster.engine.async_engine import AsyncEngine
+
+    llm = LLM(str(tiny_model_paths["llama"]), max_num_batched_tokens=8)
+    engine = llm.engine
+    engine.add_request("long", mixed_prompts()[1], SamplingParams(temperature=0.0, max_tokens=2))
+    engine.add_request("short", mixed_prompts()[2], SamplingParams(temperature=0.0, max_tokens=2))
+    engine.step()  # 8 of the long one's 90 tokens; the short one still queued
+    load = AsyncEngine.load(SimpleNamespace(engine=engine))  # the snapshot, read off the real engine
+    assert (load.num_running, load.waiting_tokens) == (1, 82 + 17)
+
+
 def test_chunked_prefill_really_splits_long_prompts(tiny_model_paths):
     llm = LLM(str(tiny_model_paths["llama"]), max_num_batched_tokens=8)
     engine = llm.engine

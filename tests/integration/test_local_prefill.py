@@ -197,6 +197,32 @@ def test_with_slos_each_prompt_is_prefilled_where_the_estimates_keep_them(slo_po
     assert run(slo_pools["prefill"].stats())["blocks_in_use"] == 0
 
 
+def test_a_prompt_sent_to_the_prefill_pool_counts_in_its_queue_until_a_report_collected_after_it(slo_pools):
+    """The pool's reports arrive a while after they were collected: a prompt sent since (a long
+    one placed remote a moment ago) is in the queue the next placement sees, not forgotten."""
+    import time
+
+    decode = slo_pools["decode"]
+    engine = decode.engine.engine
+    real_fit = engine.step_cost
+    pool = {"queued_work": [], "step_fixed_s": 0.040, "step_s_per_token": 0.001, "max_num_batched_tokens": 512}
+    try:
+        engine.step_cost = PinnedCost(0.030, 0.001)
+        time.sleep(0.2)  # whatever earlier tests sent there is in the next report
+        decode.observe_prefill_pool([{**pool, "posted_at": time.time()}])
+        _, trace = generate(slo_pools, "sent", [(11 * i) % 500 + 3 for i in range(60)])
+        assert trace["placement"] == "remote"
+        # a report collected before that prompt was sent, read only now: the prompt still counts
+        decode.observe_prefill_pool([{**pool, "posted_at": time.time() - 5.0}])
+        assert decode._placement_inputs(60).prefill.queued == (60,)
+        # a report collected after it (the prompt done, or in `queued_work` itself): it does not
+        time.sleep(0.2)
+        decode.observe_prefill_pool([{**pool, "posted_at": time.time()}])
+        assert decode._placement_inputs(60).prefill.queued == ()
+    finally:
+        engine.step_cost = real_fit
+
+
 def test_the_slos_are_validated_with_the_app_config():
     from cluster.config import AppConfig
 
@@ -205,6 +231,17 @@ def test_the_slos_are_validated_with_the_app_config():
         for bad in (-1, True, "8", float("inf")):
             with pytest.raises(ValueError, match=f"{name} must be a number >= 0"):
                 AppConfig.from_args({name: bad})
+
+
+def test_the_decode_pool_cuts_its_steps_to_the_itl_slo_with_headroom_and_an_engine_setting_wins():
+    from cluster.config import AppConfig
+
+    slo = {"ttft_slo_ms": 2000, "itl_slo_ms": 150}
+    assert AppConfig.from_args(slo).decode_engine.scheduler.max_step_ms == pytest.approx(120.0)
+    assert AppConfig.from_args(slo).engine.scheduler.max_step_ms == 0  # the prefill pool's steps are not cut
+    assert AppConfig.from_args({**slo, "mode": "colocated"}).decode_engine.scheduler.max_step_ms == 0
+    assert AppConfig.from_args({"ttft_slo_ms": 2000}).decode_engine.scheduler.max_step_ms == 0
+    assert AppConfig.from_args({**slo, "engine": {"max_step_ms": 90}}).decode_engine.scheduler.max_step_ms == 90
 
 
 def test_prefill_torch_threads_is_validated_with_the_app_config():

@@ -68,3 +68,41 @@ def test_when_neither_keeps_the_slos_the_smaller_breach_wins():
 def test_the_trace_shows_the_decision_and_its_inputs():
     t = place(inputs(12), TTFT_SLO, ITL_SLO).trace()
     assert t["placement"] == "local" and {"local_ttft_ms", "local_itl_ms", "remote_ttft_ms", "itl_ms"} <= set(t)
+
+
+def capped(uncached: int, **kw) -> PlacementInputs:
+    """The same inputs from an engine that cuts its steps to the ITL SLO while streams decode."""
+    import dataclasses
+    return dataclasses.replace(inputs(uncached, **kw), max_step_s=ITL_SLO)
+
+
+def test_with_steps_cut_to_the_itl_slo_a_long_prompt_costs_more_steps_and_keeps_the_streams_itl():
+    # 150 ms steps beside 8 streams: (150 - 30) / 1 - 8 = 112 prompt tokens each; 600 tokens in 6
+    ttft, itl = estimate_local(capped(600))
+    assert itl == pytest.approx(0.030 + 0.120) and itl <= ITL_SLO
+    assert ttft == pytest.approx(6 * 0.030 + 0.001 * (600 + 6 * 8))
+    uncut_ttft, uncut_itl = estimate_local(inputs(600))  # one 512-token step and a second one
+    assert uncut_itl > ITL_SLO and uncut_ttft < ttft
+
+
+def test_with_steps_cut_a_long_prompt_behind_a_busy_prefill_pool_is_prefilled_here():
+    # the prefill pool holds 1,500 tokens of longer prompts: remote misses the TTFT SLO; here,
+    # in 150 ms steps, it keeps both SLOs
+    p = place(capped(500, queued=(1500,)), TTFT_SLO, ITL_SLO)
+    assert p.where == "local" and p.local_ttft_s <= TTFT_SLO < p.remote_ttft_s and p.local_itl_s <= ITL_SLO
+    # without the cut the same prompt's 512-token step breaks the ITL SLO: the smaller breach
+    assert place(inputs(500, queued=(1500,)), TTFT_SLO, ITL_SLO).reason.startswith("neither")
+
+
+def test_with_no_stream_decoding_steps_are_not_cut():
+    assert estimate_local(capped(600, running=0)) == estimate_local(inputs(600, running=0))
+
+
+def test_with_steps_cut_a_long_prompt_both_could_serve_goes_remote_to_spare_the_streams():
+    # an idle prefill pool: 600 tokens remote in ~0.73 s; here in six cut steps, ~0.83 s. Both
+    # keep the SLOs, and remote leaves the streams' steps alone
+    p = place(capped(600), TTFT_SLO, ITL_SLO)
+    assert p.local_ttft_s <= TTFT_SLO and p.remote_ttft_s <= TTFT_SLO
+    assert p.where == "remote" and "stall" in p.reason
+    # a prompt one cut step holds still goes where its first token comes first
+    assert place(capped(12), TTFT_SLO, ITL_SLO).where == "local"

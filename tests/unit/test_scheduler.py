@@ -218,3 +218,52 @@ def test_without_prefix_caching_or_for_a_scored_prompt_nothing_waits():
         sched.add(b)
         plan, _ = run_step(sched)
         assert [c.request for c in plan.chunks] == [a, b]
+
+
+def _pinned_cost(sched, fixed: float, per_token: float) -> None:
+    cost = sched.step_cost
+    cost.fixed_s, cost.per_token_s, cost.resolved = fixed, per_token, True
+
+
+def test_max_step_ms_cuts_a_long_prompt_into_steps_that_keep_the_streams_itl():
+    # 30 ms + 1 ms per token, capped at 150 ms: beside 8 decoding streams, 112 prompt tokens a step
+    sched = make_scheduler(num_blocks=1024, block_size=16, max_num_batched_tokens=512, max_step_ms=150)
+    _pinned_cost(sched, 0.030, 0.001)
+    streams = [make_request(prompt_len=10, max_tokens=100) for _ in range(8)]
+    for r in streams:
+        sched.add(r)
+    run_step(sched)  # their prompts: no stream decodes yet, so the step is not cut
+    long = make_request(prompt_len=600, max_tokens=4)
+    sched.add(long)
+    chunks = []
+    while long.num_computed_tokens < long.num_prompt_tokens:
+        plan, _ = run_step(sched)
+        assert {ch.request for ch in plan.chunks if ch.num_tokens == 1} == set(streams)  # every stream, every step
+        assert 0.030 + 0.001 * plan.num_tokens <= 0.150 + 1e-9
+        chunks.append(next(ch.num_tokens for ch in plan.chunks if ch.request is long))
+    assert chunks == [112, 112, 112, 112, 112, 40]
+
+
+def test_max_step_ms_leaves_a_step_uncut_with_no_stream_decoding_and_always_moves_a_prompt_on():
+    sched = make_scheduler(num_blocks=1024, block_size=16, max_num_batched_tokens=512, max_step_ms=150)
+    _pinned_cost(sched, 0.030, 0.001)
+    alone = make_request(prompt_len=600, max_tokens=1)
+    sched.add(alone)
+    plan, _ = run_step(sched)
+    assert plan.num_tokens == 512  # nobody waits on this step's length
+    # streams whose step alone costs more than the cap: the prompt still gets MIN_PROMPT_CHUNK
+    sched = make_scheduler(num_blocks=1024, block_size=16, max_num_batched_tokens=512, max_step_ms=150)
+    _pinned_cost(sched, 0.100, 0.001)
+    streams = [make_request(prompt_len=1, max_tokens=50) for _ in range(60)]
+    for r in streams:
+        sched.add(r)
+    run_step(sched)
+    late = make_request(prompt_len=100)
+    sched.add(late)
+    plan, _ = run_step(sched)
+    assert [ch.num_tokens for ch in plan.chunks if ch.request is late] == [16]
+
+
+def test_max_step_ms_must_be_a_number_at_least_zero():
+    with pytest.raises(ValueError, match="max_step_ms"):
+        make_scheduler(max_step_ms=-1)
