@@ -47,7 +47,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS = ("disaggregated", "colocated", "vllm", "vllm_omp2", "llamacpp")
 TANDEM = {"disaggregated": "configs/serve.yaml", "colocated": "configs/colocated.yaml"}
 # named in --systems only: a config with its app args updated
-TANDEM_VARIANTS = {"disaggregated_prefill_2t": ("configs/serve.yaml", {"prefill_torch_threads": 2})}
+TANDEM_VARIANTS = {"disaggregated_prefill_2t": ("configs/serve.yaml", {"prefill_torch_threads": 2}),
+                   "disaggregated_step_cut": ("configs/serve.yaml", {"engine": {"max_step_ms": 120}})}
 VLLM_ENV = {"vllm": {}, "vllm_omp2": {"OMP_NUM_THREADS": "2"}}
 MIXED = WORKLOADS["mixed_chat"]  # the issue's: 24 at 6, 30-word chats, every 4th ~600 words
 LLAMACPP_NOTE = ("llama.cpp computes in Q4_1, the GGUF file as shipped: ~7x fewer weight bytes per token "

@@ -88,7 +88,8 @@ class SchedulerConfig:
     (engine/step_cost.py) stays within this many ms (at least MIN_PROMPT_CHUNK of them), so a
     long prompt's stall is spread over steps that each keep the streams' inter-token latency
     (Sarathi-Serve's budget from the ITL target); 0: only `max_num_batched_tokens` bounds a step.
-    The decode pool of a disaggregated app takes 0.8 x the app's `itl_slo_ms` here.
+    On a disaggregated app's decode pool placing by SLO, it lets a long prompt be prefilled
+    there in steps that keep the ITL SLO (set it below `itl_slo_ms`: docs/operating.md).
     """
 
     max_num_seqs: int = 64
@@ -271,7 +272,6 @@ class KVTransferConfig:
 
 
 MODES = ("disaggregated", "colocated")
-STEP_HEADROOM = 0.8  # a decode replica placing by SLO keeps its steps to this share of itl_slo_ms
 
 
 @dataclass(frozen=True)
@@ -338,17 +338,6 @@ class AppConfig:
         if spec is None or spec.method == "draft_model":
             return self.engine
         return replace(self.engine, speculative=None)
-
-    @property
-    def decode_engine(self) -> EngineConfig:
-        """The decode pool's engine: placing prompts by SLO, its steps keep `itl_slo_ms` while
-        streams decode (a prompt prefilled there is cut into steps of at most STEP_HEADROOM of
-        it: the fit's error and the neighbours' CPU take the rest; SchedulerConfig.max_step_ms).
-        An engine `max_step_ms` set in the YAML wins."""
-        sched = self.engine.scheduler
-        if self.mode != "disaggregated" or not self.itl_slo_ms or sched.max_step_ms:
-            return self.engine
-        return replace(self.engine, scheduler=replace(sched, max_step_ms=STEP_HEADROOM * self.itl_slo_ms))
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

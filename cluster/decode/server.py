@@ -56,7 +56,7 @@ POOL_VIEW_STALE_S = 5.0  # a prefill pool view this old (its watcher failing) is
 class DecodeServer:
     def __init__(self, config: AppConfig, engine: LLMEngine | None = None) -> None:
         self.config = config
-        engine = engine or LLMEngine(config.decode_engine)
+        engine = engine or LLMEngine(config.engine)
         self.connector = None
         self.importer: KVImporter | None = None
         if config.mode == "disaggregated":

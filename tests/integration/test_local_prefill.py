@@ -233,17 +233,6 @@ def test_the_slos_are_validated_with_the_app_config():
                 AppConfig.from_args({name: bad})
 
 
-def test_the_decode_pool_cuts_its_steps_to_the_itl_slo_with_headroom_and_an_engine_setting_wins():
-    from cluster.config import AppConfig
-
-    slo = {"ttft_slo_ms": 2000, "itl_slo_ms": 150}
-    assert AppConfig.from_args(slo).decode_engine.scheduler.max_step_ms == pytest.approx(120.0)
-    assert AppConfig.from_args(slo).engine.scheduler.max_step_ms == 0  # the prefill pool's steps are not cut
-    assert AppConfig.from_args({**slo, "mode": "colocated"}).decode_engine.scheduler.max_step_ms == 0
-    assert AppConfig.from_args({"ttft_slo_ms": 2000}).decode_engine.scheduler.max_step_ms == 0
-    assert AppConfig.from_args({**slo, "engine": {"max_step_ms": 90}}).decode_engine.scheduler.max_step_ms == 90
-
-
 def test_prefill_torch_threads_is_validated_with_the_app_config():
     from cluster.config import AppConfig
 
