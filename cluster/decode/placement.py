@@ -7,8 +7,8 @@ costs both pools measure (plain values, no torch).
                  + KV transfer + one decode step to join
     local        this replica's queue + own prompt, in steps      each step it shares grows by
                  of `max_num_batched_tokens` beside the streams,  its prompt tokens' cost: at
-                 or of what keeps a step within the ITL SLO       most up to the ITL SLO, when
-                 while they decode (SchedulerConfig.max_step_ms)  the engine cuts steps to it
+                 or, with SchedulerConfig.max_step_ms set, of     most up to max_step_ms, when
+                 what keeps a step within it while they decode    the engine cuts steps to it
 
 A step costs `fixed + per_token x tokens` (engine/step_cost.py, each pool its own fit). The
 choice: of the placements that keep both SLOs, the one with the earlier first token, except that
