@@ -248,7 +248,7 @@ class ModelRunner:
     def _generator(self, req: Request, logits: torch.Tensor) -> torch.Generator | None:
         """R's own generator when seeded. A new one first skips the draws of R's tokens sampled on
         another engine (a prefill replica's first token, a migrated request's earlier output): a
-        sampled step draws one uniform per vocabulary entry, so the tokens come out as colocated."""
+        sampled step draws one uniform (engine/sampler.py), so the tokens come out as colocated."""
         if req.params.seed is None:
             return self.default_generator
         g = self.generators.get(req.request_id)
@@ -256,7 +256,7 @@ class ModelRunner:
             g = self.generators[req.request_id] = torch.Generator(device=self.device).manual_seed(req.params.seed)
             if not req.params.greedy:
                 for _ in range(req.num_output_tokens + req.params.prior_output_tokens):
-                    torch.empty(logits.shape[1], dtype=logits.dtype, device=self.device).uniform_(generator=g)
+                    torch.empty((1, 1), dtype=logits.dtype, device=self.device).uniform_(generator=g)
         return g
 
     def forget(self, request_id: str) -> None:

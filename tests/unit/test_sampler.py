@@ -87,6 +87,19 @@ def test_temperature_frequencies_match_softmax():
         assert torch.allclose(freq, expected, atol=0.02), (temperature, freq, expected)
 
 
+@pytest.mark.parametrize("u", [0.0, 1 - 2 ** -24])  # uniform_'s lowest and highest float32 draws
+def test_draws_at_either_end_of_their_range_land_on_allowed_tokens(monkeypatch, u):
+    """One uniform per row picks the token (the inverse of the running probability): a draw of
+    0 must not pick a masked first token, the highest must not step past the last allowed one."""
+    from cluster.engine import sampler
+
+    logits = torch.full((64, 1000), float("-inf"))
+    logits[:, 3:10] = random_logits(64, 7, seed=5)
+    monkeypatch.setattr(sampler, "_uniforms", lambda n, like, gens: torch.full((n, 1), u))
+    tokens = run(logits, SamplingParams(temperature=1.0)).token_ids
+    assert tokens == [3 if u == 0 else 9] * 64
+
+
 @pytest.mark.parametrize("params, allowed", [
     (SamplingParams(top_k=2), {0, 1}),
     (SamplingParams(top_p=0.7), {0, 1}),  # 0.5 + 0.3 covers 0.7
