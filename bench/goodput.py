@@ -48,7 +48,8 @@ SYSTEMS = ("disaggregated", "colocated", "vllm", "vllm_omp2", "llamacpp")
 TANDEM = {"disaggregated": "configs/serve.yaml", "colocated": "configs/colocated.yaml"}
 # named in --systems only: a config with its app args updated
 TANDEM_VARIANTS = {"disaggregated_prefill_2t": ("configs/serve.yaml", {"prefill_torch_threads": 2}),
-                   "disaggregated_step_cut": ("configs/serve.yaml", {"engine": {"max_step_ms": 120}})}
+                   "disaggregated_step_cut": ("configs/serve.yaml", {"engine": {"max_step_ms": 120}}),
+                   "disaggregated_unbound": ("configs/serve.yaml", {"cpu_binding": False})}
 VLLM_ENV = {"vllm": {}, "vllm_omp2": {"OMP_NUM_THREADS": "2"}}
 MIXED = WORKLOADS["mixed_chat"]  # the issue's: 24 at 6, 30-word chats, every 4th ~600 words
 LLAMACPP_NOTE = ("llama.cpp computes in Q4_1, the GGUF file as shipped: ~7x fewer weight bytes per token "
@@ -156,7 +157,8 @@ def floats(text: str) -> list[float]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, from: " + ", ".join(SYSTEMS))
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help="comma-separated, from: " + ", ".join([*SYSTEMS, *TANDEM_VARIANTS]))
     p.add_argument("--rates", type=floats, default=[0.25, 0.5, 0.75, 1.0, 1.25], help="Poisson rates, req/s")
     p.add_argument("--duration", type=float, default=90.0, help="seconds of arrivals per rate (default 90)")
     p.add_argument("--min-requests", type=int, default=12, help="at least this many requests per rate")
@@ -177,7 +179,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     unknown = set(args.systems.split(",")) - set(SYSTEMS) - set(TANDEM_VARIANTS)
     if unknown:
-        p.error(f"unknown systems {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
+        p.error(f"unknown systems {sorted(unknown)}; known: {', '.join([*SYSTEMS, *TANDEM_VARIANTS])}")
     args.mixed = None if args.no_mixed else MIXED
     if args.quick:
         args.rates, args.duration, args.min_requests = [0.5], 12.0, 6

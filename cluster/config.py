@@ -310,6 +310,9 @@ class AppConfig:
     multiplexed_streams: each router replica takes its tokens from each decode replica over one
     stream carrying every step's new tokens of all its requests there (decode/channels.py,
     router/mux.py), not one stream message per token per request; false: one stream per request.
+    cpu_binding: on CPU, each decode replica runs on cores of its own on its node, and prefill
+    replicas and routers on the cores no decode replica holds (cluster/cpu_binding.py); false:
+    the OS places every thread.
     """
 
     mode: str = "disaggregated"
@@ -329,6 +332,7 @@ class AppConfig:
     itl_slo_ms: float = 0.0
     prefill_torch_threads: int = 1
     multiplexed_streams: bool = True
+    cpu_binding: bool = True
 
     @property
     def prefill_engine(self) -> EngineConfig:
@@ -348,6 +352,8 @@ class AppConfig:
             raise ValueError("request_timeout_s must be positive (or null for no deadline)")
         if not isinstance(self.multiplexed_streams, bool):
             raise ValueError(f"multiplexed_streams must be true or false, got {self.multiplexed_streams!r}")
+        if not isinstance(self.cpu_binding, bool):
+            raise ValueError(f"cpu_binding must be true or false, got {self.cpu_binding!r}")
         if not isinstance(self.prefix_aware_routing, bool):
             raise ValueError(f"prefix_aware_routing must be true or false, got {self.prefix_aware_routing!r}")
         if not isinstance(self.max_local_prefill_tokens, int) or isinstance(self.max_local_prefill_tokens, bool) \

@@ -1,6 +1,7 @@
-"""What a pool replica (prefill or decode) does besides its own work: one torch thread, its
-identity, routing stats for the pool's request router, and posting its counters to the app's
-stats board (read by /debug/stats). The Serve deployments subclass this."""
+"""What a pool replica (prefill or decode) does besides its own work: one torch thread, the
+cores it runs on (cluster/cpu_binding.py), its identity, routing stats for the pool's request
+router, and posting its counters to the app's stats board (read by /debug/stats). The Serve
+deployments subclass this."""
 
 from __future__ import annotations
 
@@ -10,14 +11,17 @@ from typing import Any
 
 from ray import serve
 
+from cluster.config import EngineConfig
+from cluster.cpu_binding import CpuBinding, SharedBinding
 from cluster.stats_board import post_forever
 
 
 class PoolReplica:
     pool: str  # "prefill" | "decode"
 
-    def __init__(self, server: Any) -> None:
+    def __init__(self, server: Any, cpus: CpuBinding | SharedBinding) -> None:
         self.server = server  # PrefillServer | DecodeServer: stats(), routing_stats(), close()
+        self.cpus = cpus  # the cores its threads run on (cluster/cpu_binding.py)
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id
         server.name = self.replica_id
@@ -25,7 +29,8 @@ class PoolReplica:
         self._poster: asyncio.Task | None = None
 
     async def stats(self) -> dict[str, Any]:
-        return {"pool": self.pool, "replica": self.replica_id, "pid": os.getpid(), **await self.server.stats()}
+        return {"pool": self.pool, "replica": self.replica_id, "pid": os.getpid(), "cpus": self.cpus.describe(),
+                **await self.server.stats()}
 
     async def kv_control(self, op: str, args: dict[str, Any], replica_id: str = "") -> Any:
         """A peer connector's control call (the collective connector's group rendezvous);
@@ -59,9 +64,18 @@ class PoolReplica:
             server.close()
 
 
-def one_torch_thread(threads: int | None = None) -> None:
+def one_torch_thread(threads: int | None = None) -> int:
     """One torch thread per replica (or `threads`): replicas are sized by num_cpus, not by torch's
-    guess. TANDEM_TORCH_THREADS, when set, wins."""
+    guess. TANDEM_TORCH_THREADS, when set, wins. Returns the count."""
     import torch
 
-    torch.set_num_threads(max(1, int(float(os.environ.get("TANDEM_TORCH_THREADS", threads or 1)))))
+    count = max(1, int(float(os.environ.get("TANDEM_TORCH_THREADS", threads or 1))))
+    torch.set_num_threads(count)
+    return count
+
+
+def on_cpu(engine: EngineConfig) -> bool:
+    """Whether this engine computes on the CPU (where its replica's cores are bound)."""
+    from cluster.engine.model_runner import pick_device
+
+    return pick_device(engine.model.device).type == "cpu"

@@ -10,10 +10,11 @@ from typing import Any, AsyncIterator, Sequence
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from cluster import cpu_binding
 from cluster.config import AppConfig
 from cluster.decode.server import PREFILL_POOL_KEYS, DecodeServer
 from cluster.engine.outputs import StreamStart, TokenDelta
-from cluster.pool_replica import PoolReplica, one_torch_thread
+from cluster.pool_replica import PoolReplica, on_cpu, one_torch_thread
 from cluster.kvtransfer.handoff import PrefillHandoff, PrefillReplicaLost, Receiver
 from cluster.sampling_params import SamplingParams
 from cluster.stats_board import PERIOD_S, board
@@ -50,8 +51,11 @@ class DecodeDeployment(PoolReplica):
     pool = "decode"
 
     def __init__(self, config: dict[str, Any], prefill: DeploymentHandle | None = None) -> None:
-        one_torch_thread()
-        super().__init__(DecodeServer(AppConfig.from_args(config)))
+        app = AppConfig.from_args(config)
+        threads = one_torch_thread()
+        cpus = cpu_binding.bind("decode", app.cpu_binding and on_cpu(app.engine), threads)  # before the
+        # engine's threads start and its memory is first touched
+        super().__init__(DecodeServer(app), cpus)
         self.prefill = ServePrefillClient(prefill) if prefill is not None else None
         self._watcher: asyncio.Task | None = None
 

@@ -7,9 +7,10 @@ from typing import Any, Sequence
 
 from ray import serve
 
+from cluster import cpu_binding
 from cluster.config import AppConfig
 from cluster.kvtransfer.handoff import PrefillHandoff, Receiver
-from cluster.pool_replica import PoolReplica, one_torch_thread
+from cluster.pool_replica import PoolReplica, on_cpu, one_torch_thread
 from cluster.prefill.server import PrefillServer
 from cluster.sampling_params import SamplingParams
 
@@ -21,7 +22,8 @@ class PrefillDeployment(PoolReplica):
     def __init__(self, config: dict[str, Any]) -> None:
         app = AppConfig.from_args(config)
         one_torch_thread(app.prefill_torch_threads)
-        super().__init__(PrefillServer(app))
+        cpus = cpu_binding.bind("prefill", app.cpu_binding and on_cpu(app.engine))  # the cores decode leaves
+        super().__init__(PrefillServer(app), cpus)
 
     async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                       receiver: Receiver) -> PrefillHandoff:

@@ -31,6 +31,7 @@ from ray.serve.deployment import Deployment
 from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
+from cluster import cpu_binding
 from cluster.config import AppConfig
 from cluster.engine.tokenizer import Tokenizer
 from cluster.models.architecture import Architecture
@@ -84,6 +85,7 @@ api.add_middleware(HeaderLimits)
 class RouterDeployment:
     def __init__(self, config: dict[str, Any], decode: DeploymentHandle) -> None:
         self.config = AppConfig.from_args(config)
+        self.cpus = cpu_binding.bind("router", self.config.cpu_binding)  # off the decode replicas' cores
         model = self.config.engine.model
         path = resolve_model_path(model.model, model.cache_dir)
         arch = Architecture.from_folder(path)
@@ -290,7 +292,8 @@ class RouterDeployment:
         raise err
 
     async def _stats(self, new_traces: bool = False) -> dict[str, Any]:
-        stats = {"pool": "router", "replica": self.replica_id, "active": self.active, **self.log.stats()}
+        stats = {"pool": "router", "replica": self.replica_id, "active": self.active, "cpus": self.cpus.describe(),
+                 **self.log.stats()}
         return {**stats, "traces": self.log.drain()} if new_traces else stats
 
     def _ensure_posting(self) -> None:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import re
+from pathlib import Path
 
 import pytest
 
@@ -175,6 +177,30 @@ def test_32_concurrent_streams_then_no_blocks_in_use(disaggregated):
     for s in stats.values():
         assert s["blocks_in_use"] == 0 and s["num_running"] == 0 and s["num_waiting"] == 0, s
     assert stats["decode"]["kv_landed"] >= 32  # every request's KV came over the connector
+
+
+def test_the_decode_replica_runs_on_a_core_of_its_own_and_the_prefill_replica_beside_it(disaggregated):
+    """cpu_binding, on by default: every thread of the decode replica is on one core no other
+    replica of ours runs on (what `taskset -p` shows); the prefill replica's on the rest."""
+    stats = {s["pool"]: s for s in replica_stats(disaggregated)}
+    cores = sorted(os.sched_getaffinity(0))  # this test process is unpinned: the node's cores
+    decode, prefill = stats["decode"]["cpus"], stats["prefill"]["cpus"]
+    assert decode["mode"] == "own" and len(decode["cores"]) == 1 and decode["cores"][0] in cores
+    rest = [c for c in cores if c not in decode["cores"]]
+    assert prefill["mode"] == "shared" and prefill["cores"] == (rest or cores)
+    for s, want in ((stats["decode"], decode["cores"]), (stats["prefill"], prefill["cores"])):
+        for task in Path(f"/proc/{s['pid']}/task").iterdir():
+            allowed = re.search(r"Cpus_allowed_list:\s*(\S+)", (task / "status").read_text()).group(1)
+            assert cpu_list(allowed) == want, (s["pool"], task.name, allowed)
+
+
+def cpu_list(text: str) -> list[int]:
+    """'0-2,5' → [0, 1, 2, 5]"""
+    out: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
 
 
 def test_metrics_aggregate_every_replica_of_both_pools(disaggregated):

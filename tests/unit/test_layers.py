@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("kv transfer: connectors", ["cluster.kvtransfer.shared_store", "cluster.kvtransfer.tcp",
                                  "cluster.kvtransfer.collective"]),
     ("kv transfer: the connector registry", ["cluster.kvtransfer.connectors"]),
-    ("shared by the pools and the router", ["cluster.cache_report", "cluster.stats_board",
+    ("shared by the pools and the router", ["cluster.cache_report", "cluster.stats_board", "cluster.cpu_binding",
                                             "cluster.autoscaling", "cluster.pool_replica"]),
     ("pools", ["cluster.prefill", "cluster.prefill.*", "cluster.decode", "cluster.decode.*"]),
     ("router", ["cluster.router", "cluster.router.*"]),

@@ -1,0 +1,123 @@
+"""CPU binding (cluster/cpu_binding.py), across real processes: a decode replica claims a core of
+its own and every thread of it runs there, a second one takes the next core, the others run on
+what is left, and a replica that dies gives its core back."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cluster import cpu_binding
+
+CHILD = """
+import json, os, sys, threading
+from pathlib import Path
+from cluster import cpu_binding
+
+role, directory = sys.argv[1], Path(sys.argv[2])
+early = threading.Thread(target=threading.Event().wait, daemon=True)  # started before binding
+early.start()
+if role == "own":
+    binding = cpu_binding.claim_own(1, directory)
+else:
+    binding = cpu_binding.SharedBinding(directory, refresh_s=0.1)
+for line in sys.stdin:  # each line asks for a report
+    print(json.dumps({**binding.describe(), "process": sorted(os.sched_getaffinity(0)),
+                      "early_thread": sorted(os.sched_getaffinity(early.native_id))}), flush=True)
+"""
+
+
+class Child:
+    def __init__(self, role: str, directory: Path) -> None:
+        repo = Path(__file__).resolve().parents[2]
+        self.proc = subprocess.Popen([sys.executable, "-c", CHILD, role, str(directory)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(repo)})
+
+    def report(self) -> dict:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("?\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+def wait_report(child: Child, want: list[int], timeout_s: float = 5.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        report = child.report()
+        if report["cores"] == want or time.monotonic() > deadline:
+            return report
+        time.sleep(0.05)
+
+
+def test_decode_replicas_own_cores_the_rest_share_what_is_left_and_a_dead_ones_come_back(tmp_path):
+    cores = sorted(cpu_binding.allowed_cores())
+    first = Child("own", tmp_path)
+    children = [first]
+    try:
+        a = first.report()
+        assert a["mode"] == "own" and a["cores"] == cores[:1]
+        assert a["process"] == a["early_thread"] == cores[:1]  # every thread, those started before too
+
+        shared = Child("shared", tmp_path)
+        children.append(shared)
+        left = cores[1:] or cores  # nothing left: the shared ones run anywhere
+        s = wait_report(shared, left)
+        assert s["mode"] == "shared" and s["cores"] == left and s["process"] == s["early_thread"] == left
+
+        if len(cores) > 1:  # a second decode replica takes the next core, not the first one's
+            second = Child("own", tmp_path)
+            children.append(second)
+            assert second.report()["cores"] == cores[1:2]
+            assert wait_report(shared, cores)["cores"] == cores  # every core held: run anywhere
+            second.stop()
+
+        first.stop()  # its lock goes with it
+        s = wait_report(shared, cores)
+        assert s["cores"] == s["process"] == cores
+        third = Child("own", tmp_path)
+        children.append(third)
+        assert third.report()["cores"] == cores[:1]  # the dead replica's core is free to claim again
+    finally:
+        for child in children:
+            child.stop()
+
+
+def test_no_free_core_leaves_a_decode_replica_unpinned(tmp_path):
+    cores = sorted(cpu_binding.allowed_cores())
+    owners = [Child("own", tmp_path) for _ in cores]
+    try:
+        assert sorted(c for o in owners for c in o.report()["cores"]) == cores
+        late = Child("own", tmp_path)
+        owners.append(late)
+        report = late.report()
+        assert report["mode"] == "none" and report["cores"] == [] and report["process"] == cores
+    finally:
+        for owner in owners:
+            owner.stop()
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_cpu_binding_arg_must_be_a_bool(value):
+    from cluster.config import AppConfig
+
+    with pytest.raises(ValueError, match="cpu_binding must be true or false"):
+        AppConfig.from_args({"cpu_binding": value})
+
+
+def test_nothing_is_pinned_when_off_or_under_a_cpu_quota_smaller_than_the_cores_seen(monkeypatch):
+    before = os.sched_getaffinity(0)
+    assert cpu_binding.bind("decode", enabled=False).describe() == {"mode": "none", "cores": []}
+    monkeypatch.setattr(cpu_binding, "cpu_quota", lambda: len(before) - 0.5)  # a pod in a shared pool
+    assert cpu_binding.bind("decode", enabled=True).describe() == {"mode": "none", "cores": []}
+    assert cpu_binding.bind("router", enabled=True).describe() == {"mode": "none", "cores": []}
+    assert os.sched_getaffinity(0) == before
