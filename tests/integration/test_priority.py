@@ -78,8 +78,10 @@ def test_disaggregated_the_prefill_replica_takes_the_lowest_value_next_and_a_can
         gate = threading.Event()
         busy = asyncio.ensure_future(prefill.engine.call(gate.wait))  # the engine thread is taken
         tasks = []
-        for priority in (5, 5, -3, 0):
-            tasks.append(asyncio.create_task(pools["disagg"].chat(chat(priority=priority, **SHORT))))
+        for i, priority in enumerate((5, 5, -3, 0)):  # distinct prompts: the same one would wait for
+            # the first's KV to land on the decode replica (same_prompt_waits), not queue at the prefill
+            body = chat(priority=priority, **SHORT, messages=[{"role": "user", "content": f"Say something {i}."}])
+            tasks.append(asyncio.create_task(pools["disagg"].chat(body)))
             while len(prefill.queued) < len(tasks):  # queued there in this order
                 await asyncio.sleep(0.005)
         tasks[3].cancel()
