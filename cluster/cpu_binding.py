@@ -27,6 +27,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import stat
 import tempfile
 import threading
 import time
@@ -42,6 +43,21 @@ _CLAIM_TRIES = 3  # a core's lock may be probed by a shared binding for a moment
 
 def lock_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"tandem-cpus-{os.getuid()}"
+
+
+def _own_dir(directory: Path) -> bool:
+    """Create `directory` (0700) if missing; true when it is a real folder of ours that nobody
+    else may write (a shared temp folder: another user could have planted it, or links in it)."""
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(directory)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
+
+
+def _open_lock(path: Path) -> IO[str]:
+    return os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600), "r+")
 
 
 @dataclass
@@ -84,13 +100,18 @@ def claim_own(count: int, directory: Path | None = None) -> CpuBinding:
     if not supported():
         return CpuBinding("none", ())
     directory = directory or lock_dir()
-    directory.mkdir(parents=True, exist_ok=True)
+    if not _own_dir(directory):
+        log.warning("cpu binding: %s is not a private folder of this user; running unpinned", directory)
+        return CpuBinding("none", ())
     got: dict[int, IO[str]] = {}
     for attempt in range(_CLAIM_TRIES):
         for core in sorted(allowed_cores() - set(got) - set(_held)):
             if len(got) == count:
                 break
-            f = open(directory / f"core-{core}.lock", "a+")
+            try:
+                f = _open_lock(directory / f"core-{core}.lock")
+            except OSError:  # not a plain file (a planted link): that core is not ours to claim
+                continue
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
@@ -118,11 +139,17 @@ def claimed_cores(cores: set[int], directory: Path | None = None) -> set[int]:
     """Those of `cores` some process holds a claim on now (this one's included)."""
     directory = directory or lock_dir()
     held = set(_held) & cores
+    if not _own_dir(directory):  # nobody could claim a core there: none is held
+        return held
     for core in cores - held:
         path = directory / f"core-{core}.lock"
         if not path.exists():
             continue
-        with open(path, "a+") as f:
+        try:
+            f = _open_lock(path)
+        except OSError:  # not a plain file: nobody holds it
+            continue
+        with f:
             try:
                 fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except OSError:

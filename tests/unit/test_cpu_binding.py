@@ -121,3 +121,26 @@ def test_nothing_is_pinned_when_off_or_under_a_cpu_quota_smaller_than_the_cores_
     assert cpu_binding.bind("decode", enabled=True).describe() == {"mode": "none", "cores": []}
     assert cpu_binding.bind("router", enabled=True).describe() == {"mode": "none", "cores": []}
     assert os.sched_getaffinity(0) == before
+
+
+def test_a_lock_folder_others_may_write_is_not_used(tmp_path):
+    """The folder lives in the shared temp folder: one another user planted (or could fill with
+    links to our files) leaves the replica unpinned rather than writing through it."""
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    planted.chmod(0o777)
+    before = os.sched_getaffinity(0)
+    assert cpu_binding.claim_own(1, planted).describe() == {"mode": "none", "cores": []}
+    assert os.sched_getaffinity(0) == before and not list(planted.iterdir())
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    cores = sorted(before)
+    (private / f"core-{cores[0]}.lock").symlink_to(victim)
+    child = Child("own", private)
+    try:  # a link where a lock file should be is never opened: that core is skipped
+        assert child.report()["cores"] == cores[1:2]
+    finally:
+        child.stop()
+    assert victim.read_text() == "keep me"
