@@ -182,12 +182,18 @@ def test_32_concurrent_streams_then_no_blocks_in_use(disaggregated):
 def test_the_decode_replica_runs_on_a_core_of_its_own_and_the_prefill_replica_beside_it(disaggregated):
     """cpu_binding, on by default: every thread of the decode replica is on one core no other
     replica of ours runs on (what `taskset -p` shows); the prefill replica's on the rest."""
-    stats = {s["pool"]: s for s in replica_stats(disaggregated)}
     cores = sorted(os.sched_getaffinity(0))  # this test process is unpinned: the node's cores
+    stats: dict = {}
+
+    def settled_binding() -> bool:  # a prefill replica up before the decode one moves within 5 s
+        stats.update({s["pool"]: s for s in replica_stats(disaggregated)})
+        own = stats["decode"]["cpus"]["cores"]
+        return stats["prefill"]["cpus"]["cores"] == ([c for c in cores if c not in own] or cores)
+
+    wait_for(settled_binding, 15, "the prefill replica on the cores the decode replica leaves")
     decode, prefill = stats["decode"]["cpus"], stats["prefill"]["cpus"]
     assert decode["mode"] == "own" and len(decode["cores"]) == 1 and decode["cores"][0] in cores
-    rest = [c for c in cores if c not in decode["cores"]]
-    assert prefill["mode"] == "shared" and prefill["cores"] == (rest or cores)
+    assert prefill["mode"] == "shared" and prefill["cores"] == ([c for c in cores if c not in decode["cores"]] or cores)
     for s, want in ((stats["decode"], decode["cores"]), (stats["prefill"], prefill["cores"])):
         for task in Path(f"/proc/{s['pid']}/task").iterdir():
             allowed = re.search(r"Cpus_allowed_list:\s*(\S+)", (task / "status").read_text()).group(1)
