@@ -166,8 +166,7 @@ class SharedBinding:
         self.directory = directory or lock_dir()
         self.refresh_s = refresh_s
         self.all = allowed_cores()  # what it may run on before pinning (its own affinity changes)
-        self.cores: tuple[int, ...] = tuple(sorted(self.all))
-        self._stop = threading.Event()
+        self.cores: tuple[int, ...] = tuple(sorted(self.all))  # unpinned: what it starts on
         self.refresh()
         self._thread = threading.Thread(target=self._run, name="tandem-cpu-binding", daemon=True)
         self._thread.start()
@@ -178,18 +177,17 @@ class SharedBinding:
     def refresh(self) -> None:
         free = (self.all - claimed_cores(self.all, self.directory)) or self.all
         cores = tuple(sorted(free))
-        pin_process(free)  # every time: threads started since on other cores join too
-        self.cores = cores
+        if cores != self.cores:  # threads started since the last pinning inherit it
+            pin_process(free)
+            self.cores = cores
 
     def _run(self) -> None:
-        while not self._stop.wait(self.refresh_s):
+        while True:
+            time.sleep(self.refresh_s)
             try:
                 self.refresh()
             except OSError as exc:  # e.g. the lock folder went away: keep the last binding
                 log.warning("cpu binding: refresh failed: %s", exc)
-
-    def stop(self) -> None:
-        self._stop.set()
 
 
 def cpu_quota() -> float | None:

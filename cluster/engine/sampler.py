@@ -316,7 +316,7 @@ def _inverse_cdf(logits: torch.Tensor, generators: Sequence[torch.Generator | No
 
 def _uniforms(num_rows: int, like: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     """[num_rows, 1] uniforms in [0, 1), row i's from generators[i]; rows sharing a generator
-    draw in one call, in row order (a generator's draws are the same one call or several)."""
+    draw in one call, in row order (a seeded request's own generator: one row, one draw a step)."""
     groups: dict[int, list[int]] = {}
     for row, gen in enumerate(generators):
         groups.setdefault(id(gen), []).append(row)
