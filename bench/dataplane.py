@@ -277,7 +277,9 @@ def cluster(system: str, args: dict[str, Any], model: Path, streams: list[int], 
 
     config = SYSTEMS[system]
     n = max(streams)
-    pools = {"Router": {"num_replicas": routers}, "DecodePool": {"max_ongoing_requests": n},
+    # each router replica's token channel is one more ongoing call on a decode replica: without
+    # room for it, the last stream is turned away and Serve retries it seconds later
+    pools = {"Router": {"num_replicas": routers}, "DecodePool": {"max_ongoing_requests": n + routers},
              "PrefillPool": {"max_ongoing_requests": n}}
     if num_gpus:  # the config's ray_actor_options (num_cpus) with a share of the GPU
         for d in load_yaml(ROOT / config)["applications"][0]["deployments"]:
