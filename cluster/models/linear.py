@@ -1,10 +1,15 @@
 """One projection, `y = x @ W + b`, with W held the way the device multiplies it fastest.
 
   CPU, float32, oneDNN present: W prepacked into oneDNN's blocked layout once, at load
-      (`torch.ops.mkldnn._reorder_linear_weight`), applied with `_linear_pointwise`. On this
+      (`torch.ops.mkldnn._reorder_linear_weight`), applied with `_linear_pointwise`. On a
       2-core AVX2 box, one thread, 30 distinct 576x3072 weights (so none stays in cache):
       16 rows 0.42 ms vs 1.14 ms for `x @ W`; 1 row 0.22 ms vs 0.30 ms.
-  Anything else (GPU, half precision, no oneDNN): W kept [in, out] contiguous for `x @ W`.
+  CPU, bfloat16 W, oneDNN with native bf16 (AVX512-BF16 or AMX): packed the same way. The
+      activations stay what they are (float32 on CPU): x goes in as bf16 and the product comes
+      back in x's dtype, oneDNN accumulating in fp32. On a 2-core EPYC with AVX512-BF16, one
+      thread, 30 distinct 1536x576 weights: 512 rows 1.87 ms vs 3.64 ms packed fp32, 16 rows
+      0.11 vs 0.20 ms, 1 row 0.057 vs 0.097 ms.
+  Anything else (GPU, no oneDNN): W kept [in, out] contiguous for `x @ W`.
 
 The packed weight is opaque: code that needs W itself (a tied embedding) keeps its own copy.
 """
@@ -14,25 +19,29 @@ from __future__ import annotations
 import torch
 
 
-def _onednn_packing_works() -> bool:
+def _onednn_packing_works(dtype: torch.dtype) -> bool:
     try:
-        w = torch.randn(8, 4)
+        if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return False  # no native bf16 on this CPU: oneDNN would emulate it, slower than fp32
+        w = torch.randn(8, 4).to(dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(w)
-        x = torch.randn(3, 4)
+        x = torch.randn(3, 4).to(dtype)
         y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-        return bool(torch.allclose(y, x @ w.t(), atol=1e-5))
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        return bool(torch.allclose(y.float(), x.float() @ w.float().t(), atol=tol, rtol=tol))
     except Exception:  # a torch built without oneDNN, or the private op changed
         return False
 
 
-_PACKING: bool | None = None
+_PACKING: dict[torch.dtype, bool] = {}
 
 
-def onednn_packing() -> bool:
-    global _PACKING
-    if _PACKING is None:
-        _PACKING = torch.backends.mkldnn.is_available() and _onednn_packing_works()
-    return _PACKING
+def onednn_packing(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN packs and multiplies `dtype` weights here (float32; bfloat16 where the CPU
+    computes it natively)."""
+    if dtype not in _PACKING:
+        _PACKING[dtype] = torch.backends.mkldnn.is_available() and _onednn_packing_works(dtype)
+    return _PACKING[dtype]
 
 
 class Linear:
@@ -43,9 +52,10 @@ class Linear:
         transposed view of it instead of a copy."""
         w = weight_out_in
         self.in_features, self.out_features = w.shape[1], w.shape[0]
+        self.dtype = w.dtype  # what the product is computed in; x of another dtype is cast to it
         self.bias = bias
         if pack is None:
-            pack = w.device.type == "cpu" and w.dtype == torch.float32 and onednn_packing()
+            pack = w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16) and onednn_packing(w.dtype)
         self.packed = pack
         if pack:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(w.contiguous())
@@ -53,7 +63,9 @@ class Linear:
             self.weight = w.t() if shared else w.t().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, in] → [T, out]."""
+        """x [T, in] → [T, out], in x's dtype."""
+        if x.dtype != self.dtype:  # bf16 weights beside float32 activations (a CPU engine's bfloat16)
+            return self(x.to(self.dtype)).to(x.dtype)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)

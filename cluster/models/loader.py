@@ -33,7 +33,9 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(folder: str | Path, arch: Architecture, ops: KernelOps, dtype: torch.dtype,
-               device: torch.device, max_positions: int) -> LlamaModel:
+               device: torch.device, max_positions: int, matmul_dtype: torch.dtype | None = None) -> LlamaModel:
+    """`matmul_dtype`: the layers' projections hold their weights in it (a CPU engine's bfloat16:
+    see model_runner.weight_dtypes); the LM head, embedding and norms stay in `dtype`."""
     raw = read_tensors(Path(folder))
 
     def take(key: str, required: bool = True) -> torch.Tensor | None:
@@ -50,10 +52,13 @@ def load_model(folder: str | Path, arch: Architecture, ops: KernelOps, dtype: to
             return None
         return torch.cat(parts, dim=0)  # type: ignore[arg-type]
 
-    def proj(*keys: str, bias: tuple[str, ...] = ()) -> Linear:
+    def proj(*keys: str, bias: tuple[str, ...] = (), head: bool = False) -> Linear:
         """HF stores [out, in] (fused along out); `Linear` holds it the fastest way for the device."""
         b = fuse(*bias, required=False) if bias else None
-        return Linear(fuse(*keys), b)  # type: ignore[arg-type]
+        w = fuse(*keys)
+        if matmul_dtype is not None and not head:
+            w, b = w.to(matmul_dtype), None if b is None else b.to(matmul_dtype)  # type: ignore[union-attr]
+        return Linear(w, b)  # type: ignore[arg-type]
 
     layers = []
     for i in range(arch.num_layers):
@@ -73,7 +78,7 @@ def load_model(folder: str | Path, arch: Architecture, ops: KernelOps, dtype: to
         raw.pop("lm_head.weight", None)  # some checkpoints also save the tied copy
         lm_head = Linear(embed, shared=True)  # packed, it is a copy: a packed head cannot be indexed
     else:
-        lm_head = proj("lm_head.weight")
+        lm_head = proj("lm_head.weight", head=True)  # logits keep the activations' precision
     weights = ModelWeights(embed=embed, layers=layers, norm=take("model.norm.weight"), lm_head=lm_head)
     leftover = [k for k in raw if not k.endswith(_IGNORED_SUFFIXES)]
     if leftover:

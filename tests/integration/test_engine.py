@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from cluster import LLM, SamplingParams, StructuredOutput
 from cluster.models.architecture import UnsupportedModelError
+from cluster.models.linear import onednn_packing
 
 JSON_OBJECT = StructuredOutput("json_object")
 GREEDY_32 = SamplingParams(temperature=0.0, max_tokens=32, min_tokens=32)
@@ -76,6 +77,24 @@ def test_default_model_answers_paris():
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason in ("stop", "length")
     assert out.prompt_token_ids[-1] != out.outputs[0].token_ids[0]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not onednn_packing(torch.bfloat16), reason="this CPU has no native bf16 (AVX512-BF16 or AMX)")
+def test_default_model_in_bfloat16_on_cpu_answers_as_in_float32_from_a_float32_kv_cache():
+    """dtype bfloat16 on CPU: the projections multiply in bf16, the KV cache and logits stay fp32;
+    the answer's first token and its logprob agree with fp32's."""
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(temperature=0.0, max_tokens=32, logprobs=1)
+    fp32 = LLM().chat(question, params)[0].outputs[0]
+    llm = LLM(dtype="bfloat16")
+    bf16 = llm.chat(question, params)[0].outputs[0]
+    runner = llm.engine.runner
+    assert runner.kv_cache.dtype == torch.float32
+    assert runner.model.w.layers[0].qkv.dtype == torch.bfloat16 and runner.model.w.lm_head.dtype == torch.float32
+    assert "Paris" in bf16.text
+    assert bf16.token_ids[0] == fp32.token_ids[0]
+    assert abs(bf16.logprobs[0].sampled.logprob - fp32.logprobs[0].sampled.logprob) < 0.1
 
 
 @pytest.fixture(scope="module")
