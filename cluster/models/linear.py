@@ -19,10 +19,23 @@ from __future__ import annotations
 import torch
 
 
+def _native_bf16() -> bool:
+    """The CPU multiplies bf16 itself (x86: AVX512-BF16 or AMX; torch's own check also admits
+    plain AVX-512, where oneDNN emulates it)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), None)
+    except OSError:
+        flags = None
+    if flags is not None and ("avx512f" in flags or "avx2" in flags):  # x86 Linux: ask the CPU
+        return "avx512_bf16" in flags or "amx_bf16" in flags
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def _onednn_packing_works(dtype: torch.dtype) -> bool:
     try:
-        if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            return False  # no native bf16 on this CPU: oneDNN would emulate it, slower than fp32
+        if dtype == torch.bfloat16 and not _native_bf16():
+            return False  # oneDNN would emulate it, or fall back to slower code than fp32's
         w = torch.randn(8, 4).to(dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(w)
         x = torch.randn(3, 4).to(dtype)
