@@ -38,10 +38,11 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def weight_dtypes(dtype: torch.dtype, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
     """(the activations' and KV cache's dtype, the layers' projections' if another).
-    bfloat16 on CPU: the projections, nearly all of the FLOPs and weight bytes, multiply in bf16
-    through oneDNN (2x fp32's speed with native bf16); the KV cache, attention (the CPU kernels
-    are fp32), norms and LM head stay float32. A CPU without native bf16 is refused: emulated,
-    bf16 runs far slower than fp32."""
+    bfloat16 on CPU: the projections and the LM head, nearly all of the FLOPs and weight bytes,
+    multiply in bf16 through oneDNN (2x fp32's speed with native bf16), the head's leading logits
+    recomputed in fp32 (linear.RefinedHead); the KV cache, attention (the CPU kernels are fp32),
+    norms and embedding stay float32. A CPU without native bf16 is refused: emulated, bf16 runs
+    far slower than fp32."""
     if device.type != "cpu" or dtype != torch.bfloat16:
         return dtype, None
     if not onednn_packing(torch.bfloat16):

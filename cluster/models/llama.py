@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from cluster.models.architecture import Architecture
 from cluster.models.attention import AttentionMetadata, paged_attention
-from cluster.models.linear import Linear
+from cluster.models.linear import Linear, RefinedHead
 from cluster.models.rope import RotaryEmbedding
 from kernels import KernelOps
 
@@ -33,7 +33,7 @@ class ModelWeights:
     embed: torch.Tensor  # [V, H]
     layers: list[LayerWeights]
     norm: torch.Tensor  # [H]
-    lm_head: Linear  # H → V
+    lm_head: Linear | RefinedHead  # H → V
 
 
 class LlamaModel:

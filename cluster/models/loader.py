@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 from cluster.models.architecture import Architecture
-from cluster.models.linear import Linear
+from cluster.models.linear import Linear, RefinedHead
 from cluster.models.llama import LayerWeights, LlamaModel, ModelWeights
 from kernels import KernelOps
 
@@ -34,8 +34,9 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 def load_model(folder: str | Path, arch: Architecture, ops: KernelOps, dtype: torch.dtype,
                device: torch.device, max_positions: int, matmul_dtype: torch.dtype | None = None) -> LlamaModel:
-    """`matmul_dtype`: the layers' projections hold their weights in it (a CPU engine's bfloat16:
-    see model_runner.weight_dtypes); the LM head, embedding and norms stay in `dtype`."""
+    """`matmul_dtype`: the layers' projections hold their weights in it, and the LM head a copy
+    (a CPU engine's bfloat16: see model_runner.weight_dtypes, linear.RefinedHead); the embedding
+    and norms stay in `dtype`."""
     raw = read_tensors(Path(folder))
 
     def take(key: str, required: bool = True) -> torch.Tensor | None:
@@ -52,11 +53,11 @@ def load_model(folder: str | Path, arch: Architecture, ops: KernelOps, dtype: to
             return None
         return torch.cat(parts, dim=0)  # type: ignore[arg-type]
 
-    def proj(*keys: str, bias: tuple[str, ...] = (), head: bool = False) -> Linear:
+    def proj(*keys: str, bias: tuple[str, ...] = ()) -> Linear:
         """HF stores [out, in] (fused along out); `Linear` holds it the fastest way for the device."""
         b = fuse(*bias, required=False) if bias else None
         w = fuse(*keys)
-        if matmul_dtype is not None and not head:
+        if matmul_dtype is not None:
             w, b = w.to(matmul_dtype), None if b is None else b.to(matmul_dtype)  # type: ignore[union-attr]
         return Linear(w, b)  # type: ignore[arg-type]
 
@@ -74,11 +75,17 @@ def load_model(folder: str | Path, arch: Architecture, ops: KernelOps, dtype: to
             down=proj(p + "mlp.down_proj.weight"),
         ))
     embed = take("model.embed_tokens.weight")
+    lm_head: Linear | RefinedHead
     if arch.tie_word_embeddings:
         raw.pop("lm_head.weight", None)  # some checkpoints also save the tied copy
-        lm_head = Linear(embed, shared=True)  # packed, it is a copy: a packed head cannot be indexed
+        if matmul_dtype is not None:
+            lm_head = RefinedHead(embed)  # type: ignore[arg-type]
+        else:
+            lm_head = Linear(embed, shared=True)  # packed, it is a copy: a packed head cannot be indexed
+    elif matmul_dtype is not None:
+        lm_head = RefinedHead(take("lm_head.weight"))  # type: ignore[arg-type]
     else:
-        lm_head = proj("lm_head.weight", head=True)  # logits keep the activations' precision
+        lm_head = proj("lm_head.weight")
     weights = ModelWeights(embed=embed, layers=layers, norm=take("model.norm.weight"), lm_head=lm_head)
     leftover = [k for k in raw if not k.endswith(_IGNORED_SUFFIXES)]
     if leftover:

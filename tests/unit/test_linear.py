@@ -9,7 +9,7 @@ import torch
 
 from cluster.engine import model_runner
 from cluster.engine.model_runner import weight_dtypes
-from cluster.models.linear import Linear, onednn_packing
+from cluster.models.linear import Linear, RefinedHead, onednn_packing
 
 native_bf16 = pytest.mark.skipif(not onednn_packing(torch.bfloat16),
                                  reason="this CPU has no native bf16 (AVX512-BF16 or AMX)")
@@ -48,3 +48,23 @@ def test_bfloat16_on_a_cpu_without_native_bf16_is_refused_with_what_to_use(monke
     monkeypatch.setattr(model_runner, "onednn_packing", lambda dtype=torch.float32: dtype != torch.bfloat16)
     with pytest.raises(ValueError, match="use float32"):
         weight_dtypes(torch.bfloat16, torch.device("cpu"))
+
+
+@native_bf16
+def test_a_refined_head_keeps_float32s_argmax_and_leading_logits_where_bf16_ties_them():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(4096, 64, generator=gen) / 8
+    x = torch.randn(8, 64, generator=gen)
+    # per row, a runner-up 0.01 behind the first choice at a logit near 25 and ahead of it in
+    # the vocabulary: bf16 rounds both alike, and argmax takes the first of a tie
+    for i in range(8):
+        w[2 * i] = x[i] * (24.99 / x[i].dot(x[i]))
+        w[2 * i + 1] = x[i] * (25.0 / x[i].dot(x[i]))
+    exact = x @ w.t()
+    head = RefinedHead(w)
+    got = head.float_out(x)
+    assert Linear(w.bfloat16())(x).argmax(-1).tolist() != exact.argmax(-1).tolist()  # what it fixes
+    assert got.argmax(-1).tolist() == exact.argmax(-1).tolist() == [2 * i + 1 for i in range(8)]
+    top = exact.topk(8, dim=-1).indices  # well inside the 16 refined (the 16th may trade places)
+    torch.testing.assert_close(got.gather(1, top), exact.gather(1, top), atol=1e-4, rtol=1e-6)
+    assert (got - exact).abs().max() <= 2 ** -7 * exact.abs().max()  # the tail: bf16's rounding
