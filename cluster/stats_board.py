@@ -56,6 +56,15 @@ def board(app_name: str) -> Any:
                               get_if_exists=True).remote()
 
 
+async def ask_board(app_name: str, method: str, *args: Any) -> Any:
+    """Call the board, once more on a new one if it died: it goes down with the replica that
+    created it (its owner), and the replicas post again within a period."""
+    try:
+        return await getattr(board(app_name), method).remote(*args)
+    except ray.exceptions.ActorDiedError:
+        return await getattr(board(app_name), method).remote(*args)
+
+
 async def post_forever(app_name: str, replica: str, collect: Callable[[], Awaitable[dict[str, Any]]]) -> None:
     b = board(app_name)
     while True:

@@ -48,7 +48,7 @@ from cluster.router.errors import APIError
 from cluster.router import request_log  # its ContextVar cannot be pickled: referenced via the module
 from cluster.router.request_log import REQUEST_ID, RequestLog, configure_trace_logging
 from cluster.router.request_routers import ROUTING_STATS_PERIOD_S
-from cluster.stats_board import board, post_forever
+from cluster.stats_board import ask_board, post_forever
 from cluster.sampling_params import SamplingParams
 
 POOL_WATCH_PERIOD_S = 1.0
@@ -177,14 +177,14 @@ class RouterDeployment:
     async def debug_stats(self, request: Request) -> Response:
         """Every live pool replica's engine and transfer counters (blocks in use, running, ...)."""
         self._auth(request)
-        replicas = [r for r in await board(self.app_name).read.remote() if r.get("pool") in ("prefill", "decode")]
+        replicas = [r for r in await ask_board(self.app_name, "read") if r.get("pool") in ("prefill", "decode")]
         return JSONResponse({"replicas": sorted(replicas, key=lambda r: (r["pool"], r["replica"]))})
 
     @api.get("/debug/requests/{request_id}")
     async def debug_request(self, request: Request, request_id: str) -> Response:
         """The traces of a request (its X-Request-Id), one per choice, whichever router served it."""
         self._auth(request)
-        traces = self.log.traces.get(request_id) or await board(self.app_name).trace.remote(request_id)
+        traces = self.log.traces.get(request_id) or await ask_board(self.app_name, "trace", request_id)
         if traces is None:  # (another router's reach the board within a posting period)
             raise APIError(404, "no trace of that request id", param="request_id")
         return JSONResponse({"request_id": request_id, "traces": traces})
@@ -193,7 +193,7 @@ class RouterDeployment:
     async def metrics(self) -> Response:
         """Prometheus text for every replica of both pools and the routers (cluster/router/metrics.py)."""
         self._ensure_posting()
-        others = [r for r in await board(self.app_name).read.remote() if r.get("replica") != self.replica_id]
+        others = [r for r in await ask_board(self.app_name, "read") if r.get("replica") != self.replica_id]
         body = render_metrics(others + [await self._stats()], self.openai.model_name)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
