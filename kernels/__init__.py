@@ -1,5 +1,5 @@
 """KV-cache kernels: Triton launchers for CUDA; C attention kernels (paged decode, causal
-prefill) and pure-torch references for CPU.
+prefill), a layer's element-wise steps in C, and pure-torch references for CPU.
 
 `ops_for(device, dtype)` picks the set the engine should call; every set shares signatures.
 """
@@ -11,6 +11,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from kernels import cpu_paged_attention
+from kernels.cpu_layer_ops import cpu_add_rms_norm, cpu_rope_, cpu_store_kv
 from kernels.cpu_paged_attention import cpu_paged_decode_attention, cpu_prefill_attention
 from kernels.pack_kv import pack_kv, unpack_kv
 from kernels.paged_attention import paged_decode_attention
@@ -21,7 +22,7 @@ from kernels.store_kv import store_kv
 __all__ = [
     "KernelOps", "ops_for",
     "store_kv", "paged_decode_attention", "pack_kv", "unpack_kv",
-    "cpu_paged_decode_attention", "cpu_prefill_attention",
+    "cpu_paged_decode_attention", "cpu_prefill_attention", "cpu_add_rms_norm", "cpu_rope_", "cpu_store_kv",
     "ref_store_kv", "ref_paged_decode_attention", "ref_pack_kv", "ref_unpack_kv",
 ]
 
@@ -37,12 +38,21 @@ class KernelOps(NamedTuple):
     # causal attention of a prefill chunk over contiguous K/V ([n, Hq, D] queries, [ctx, Hkv, D]);
     # None: torch's SDPA (cluster/models/attention.py)
     prefill_attention: Callable[..., torch.Tensor] | None = None
+    # the residual add and the RMS norm after it in one call, (x, delta | None, weight, eps) →
+    # (x += delta, norm(x)); None: torch's ops (cluster/models/llama.py)
+    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    # rotary embedding in place, (x [T, heads, D], cos, sin) → x; None: RotaryEmbedding.apply's copy
+    rope_: Callable[..., torch.Tensor] | None = None
+    # store_kv and paged_decode_attention also take bfloat16 caches beside float32 activations
+    # (a CPU engine in bf16 keeps its K/V in bf16: half the bytes decode attention reads)
+    bf16_kv: bool = False
 
 
 TRITON_OPS = KernelOps(store_kv, paged_decode_attention, pack_kv, unpack_kv)
 REFERENCE_OPS = KernelOps(ref_store_kv, ref_paged_decode_attention, ref_pack_kv, ref_unpack_kv, False)
-CPU_OPS = REFERENCE_OPS._replace(paged_decode_attention=cpu_paged_decode_attention, decode_in_place=True,
-                                 prefill_attention=cpu_prefill_attention)
+CPU_OPS = REFERENCE_OPS._replace(store_kv=cpu_store_kv, paged_decode_attention=cpu_paged_decode_attention,
+                                 decode_in_place=True, prefill_attention=cpu_prefill_attention,
+                                 add_rms_norm=cpu_add_rms_norm, rope_=cpu_rope_, bf16_kv=True)
 
 
 def ops_for(device: torch.device, dtype: torch.dtype = torch.float32) -> KernelOps:

@@ -32,8 +32,10 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".c")
+SOURCES = (SOURCE, SOURCE.with_name("cpu_layer_ops.c"))  # one library: see kernels/cpu_layer_ops.py
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-shared", "-fPIC")
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+KV_DTYPES = (torch.float32, torch.bfloat16)  # what the caches may hold (arithmetic is fp32)
 
 
 def _cpu_flags() -> str:
@@ -57,7 +59,7 @@ def load() -> ctypes.CDLL | None:
     if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
         return None
     cc = os.environ.get("CC", "cc")
-    source = SOURCE.read_bytes()
+    source = b"\0".join(path.read_bytes() for path in SOURCES)
     key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(FLAGS).encode(), _cpu_flags().encode()]))
     target = _cache_dir() / f"cpu_paged_attention-{key.hexdigest()[:16]}.so"
     try:
@@ -66,7 +68,7 @@ def load() -> ctypes.CDLL | None:
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
             os.close(fd)
             try:
-                subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], check=True, capture_output=True,
+                subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], check=True, capture_output=True,
                                timeout=120)
                 os.replace(tmp, target)
             finally:
@@ -78,12 +80,23 @@ def load() -> ctypes.CDLL | None:
         log.warning("CPU attention kernel unavailable (%s%s); using the torch path", e,
                     f": {detail.decode(errors='replace')[:500]}" if detail else "")
         return None
-    fn = lib.tandem_paged_decode_f32
-    fn.restype = None
-    fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _PTR]
+    for name in ("tandem_paged_decode_f32", "tandem_paged_decode_bf16kv"):
+        fn = getattr(lib, name)
+        fn.restype = _I64
+        fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _PTR]
     fn = lib.tandem_prefill_attention_f32
     fn.restype = None
     fn.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _PTR]
+    fn = lib.tandem_add_rms_norm_f32
+    fn.restype = None
+    fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32]
+    fn = lib.tandem_rope_f32
+    fn.restype = None
+    fn.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR]
+    for name in ("tandem_store_kv_f32", "tandem_store_kv_bf16kv"):
+        fn = getattr(lib, name)
+        fn.restype = _I64
+        fn.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64]
     return lib
 
 
@@ -96,15 +109,18 @@ def cpu_paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cac
                                scale: float) -> torch.Tensor:
     """Same contract as `ref_paged_decode_attention` (kernels/reference.py): query [B, Hq, D],
     caches [num_blocks, block_size, Hkv, D], block_tables [B, W] int32, context_lens [B] int32
-    (each >= 1) → [B, Hq, D]. fp32 CPU tensors; the caches must be contiguous."""
+    (each >= 1) → [B, Hq, D]. CPU tensors: query float32, caches float32 or bfloat16 (read as
+    fp32), contiguous."""
     lib = load()
     if lib is None:
         raise RuntimeError("the CPU attention kernel is not built on this machine (kernels/cpu_paged_attention.py)")
     batch, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
-    for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != torch.float32 or t.device.type != "cpu":
-            raise TypeError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+    if query.dtype != torch.float32 or query.device.type != "cpu":
+        raise TypeError(f"query must be a float32 CPU tensor, got {query.dtype} on {query.device}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype not in KV_DTYPES or t.device.type != "cpu" or t.dtype != k_cache.dtype:
+            raise TypeError(f"{name} must be a float32 or bfloat16 CPU tensor as k_cache, got {t.dtype} on {t.device}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or v_cache.shape != k_cache.shape:
         raise ValueError("k_cache and v_cache must be contiguous and of the same shape")
     if cache_dim != head_dim or num_heads % num_kv_heads:
@@ -112,19 +128,21 @@ def cpu_paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cac
     out = torch.empty_like(query)
     if batch == 0:
         return out
-    q = query.contiguous()
-    tables = block_tables.to(torch.int32).contiguous()
-    lens = context_lens.to(torch.int32).contiguous()
-    if tables.shape[0] != batch or lens.shape != (batch,):
+    q = query if query.is_contiguous() else query.contiguous()
+    tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
+    lens = context_lens if context_lens.dtype == torch.int32 else context_lens.to(torch.int32)
+    tables, lens = tables.contiguous(), lens.contiguous()
+    if tables.ndim != 2 or tables.shape[0] != batch or lens.shape != (batch,):
         raise ValueError(f"block_tables {tuple(tables.shape)} / context_lens {tuple(lens.shape)} do not match "
                          f"batch {batch}")
-    shortest, max_len = (int(x) for x in torch.aminmax(lens))
-    if shortest < 1 or max_len > tables.shape[1] * block_size:
-        raise ValueError(f"context_lens must be in [1, {tables.shape[1] * block_size}]")
-    scores = torch.empty(num_heads * max_len, dtype=torch.float32)
-    lib.tandem_paged_decode_f32(q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                                tables.data_ptr(), tables.shape[1], lens.data_ptr(), batch, num_heads,
-                                num_kv_heads, head_dim, block_size, scale, scores.data_ptr())
+    capacity = tables.shape[1] * block_size  # what a table reaches; the kernel checks each length against it
+    scores = torch.empty(num_heads * capacity, dtype=torch.float32)
+    kernel = lib.tandem_paged_decode_f32 if k_cache.dtype == torch.float32 else lib.tandem_paged_decode_bf16kv
+    bad = kernel(q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                      tables.data_ptr(), tables.shape[1], lens.data_ptr(), batch, num_heads,
+                                      num_kv_heads, head_dim, block_size, scale, scores.data_ptr())
+    if bad:
+        raise ValueError(f"context_lens must be in [1, {capacity}]")
     return out
 
 

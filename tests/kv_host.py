@@ -60,7 +60,7 @@ class KVHost:
         while not any(o.request_id == rid for o in self.engine.step()):
             pass
         self._held = self.engine.take_prefilled(rid)
-        return hashlib.sha256(self.engine.export_kv(rid).numpy().tobytes()).hexdigest()
+        return hashlib.sha256(self.engine.export_kv(rid).view(torch.uint8).numpy().tobytes()).hexdigest()
 
     def send_raw(self, rid: str, receiver, mode: str):
         """Send the held request's KV with a deliberate defect; always releases the blocks."""
@@ -108,7 +108,7 @@ class KVHost:
         ours = self.engine.runner.export_kv(req.block_ids)
         self.engine.finish_remote(rid, ok=True, first_token=0)
         self._finish(rid)
-        return hashlib.sha256(ours.numpy().tobytes()).hexdigest()
+        return hashlib.sha256(ours.view(torch.uint8).numpy().tobytes()).hexdigest()
 
     def generate_local(self, prompt: list[int], params) -> list[int]:
         rid = f"local-{len(prompt)}-{id(prompt)}"

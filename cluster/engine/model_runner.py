@@ -19,7 +19,7 @@ from cluster.models.linear import onednn_packing
 from cluster.models.loader import load_model
 from cluster.engine.outputs import TokenLogprobs
 from cluster.engine.request import Request
-from kernels import ops_for
+from kernels import KernelOps, ops_for
 
 PROMPT_LOGPROB_ROWS = 256  # prompt positions per LM-head pass (256 x 49k vocab fp32 = 50 MB of logits)
 
@@ -40,15 +40,24 @@ def weight_dtypes(dtype: torch.dtype, device: torch.device) -> tuple[torch.dtype
     """(the activations' and KV cache's dtype, the layers' projections' if another).
     bfloat16 on CPU: the projections and the LM head, nearly all of the FLOPs and weight bytes,
     multiply in bf16 through oneDNN (2x fp32's speed with native bf16), the head's leading logits
-    recomputed in fp32 (linear.RefinedHead); the KV cache, attention (the CPU kernels are fp32),
-    norms and embedding stay float32. A CPU without native bf16 is refused: emulated, bf16 runs
-    far slower than fp32."""
+    recomputed in fp32 (linear.RefinedHead); activations, attention's arithmetic, norms and
+    embedding stay float32, and the KV cache is bf16 where the kernels read it (`kv_dtype`). A
+    CPU without native bf16 is refused: emulated, bf16 runs far slower than fp32."""
     if device.type != "cpu" or dtype != torch.bfloat16:
         return dtype, None
     if not onednn_packing(torch.bfloat16):
         raise ValueError("dtype bfloat16 on CPU needs a CPU that computes bf16 natively (AVX512-BF16 or AMX) "
                          "and torch with oneDNN; this one does not: use float32")
     return torch.float32, torch.bfloat16
+
+
+def kv_dtype(dtype: torch.dtype, matmul_dtype: torch.dtype | None, ops: KernelOps) -> torch.dtype:
+    """The KV cache's dtype: the activations', except in a CPU engine computing in bf16 whose C
+    kernels read bf16 caches (`KernelOps.bf16_kv`): K/V are stored rounded to bf16, as a bf16
+    engine on a GPU keeps them, and attention's arithmetic stays fp32. Decode attention is bound
+    by the bytes it reads; bf16 halves them (the default model, 16 chats of ~500 tokens: see
+    kernels/cpu_paged_attention.py), and a hand-off between pools carries half the bytes too."""
+    return torch.bfloat16 if matmul_dtype == torch.bfloat16 and ops.bf16_kv else dtype
 
 
 class _Row(NamedTuple):
@@ -86,7 +95,7 @@ class ModelRunner:
         self.arch = arch
         self.block_size = cache_config.block_size
         self.model = load_model(model_path, arch, self.ops, self.dtype, self.device, max_model_len, matmul_dtype)
-        self.kv_cache = allocate_kv_cache(arch, cache_config, self.dtype, self.device)
+        self.kv_cache = allocate_kv_cache(arch, cache_config, kv_dtype(self.dtype, matmul_dtype, self.ops), self.device)
         self.generators: dict[str, torch.Generator] = {}
         self.default_generator = torch.Generator(device=self.device).manual_seed(seed)
         self.graphs = None  # decode and verify steps from CUDA graphs (cluster/engine/cuda_graphs.py)

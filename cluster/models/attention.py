@@ -149,11 +149,13 @@ def paged_attention(
         _verify(q, out, k_cache, v_cache, g, scale)
     for p in meta.prefills:
         rows = slice(p.offset, p.offset + p.num_tokens)
-        if p.context_len == p.num_tokens:  # nothing cached before this chunk: use it directly
-            keys, values = k[rows], v[rows]
+        if p.context_len == p.num_tokens:  # nothing cached before this chunk: use it directly,
+            keys, values = k[rows], v[rows]  # as the cache holds it (a bf16 cache: rounded), so a
+            if k_cache.dtype != k.dtype:     # prompt's tokens are the same whichever path reads them
+                keys, values = keys.to(k_cache.dtype).to(k.dtype), values.to(v_cache.dtype).to(v.dtype)
         else:
-            keys = k_cache[p.block_table].flatten(0, 1)[: p.context_len]  # [ctx, Hkv, D]
-            values = v_cache[p.block_table].flatten(0, 1)[: p.context_len]
+            keys = k_cache[p.block_table].flatten(0, 1)[: p.context_len].to(q.dtype)  # [ctx, Hkv, D]
+            values = v_cache[p.block_table].flatten(0, 1)[: p.context_len].to(q.dtype)  # (a bf16 cache: fp32)
         out[rows] = _causal_attention(q[rows], keys, values, scale, ops)
     return out
 
@@ -186,8 +188,8 @@ def _verify(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     keys, values = g.gathered
     torch.index_select(k_cache.view(-1, num_kv_heads, head_dim), 0, g.slots.view(-1), out=keys)
     torch.index_select(v_cache.view(-1, num_kv_heads, head_dim), 0, g.slots.view(-1), out=values)
-    keys = keys.view(b, length, num_kv_heads, head_dim).transpose(1, 2)  # [b, Hkv, L, D]
-    values = values.view(b, length, num_kv_heads, head_dim).transpose(1, 2)
+    keys = keys.view(b, length, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)  # [b, Hkv, L, D]
+    values = values.view(b, length, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
     rows = g.rows.view(-1)
     queries = q[rows].view(b, q_max, num_heads, head_dim).transpose(1, 2)  # [b, Hq, Q, D]
     res = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.valid, scale=scale, enable_gqa=True)

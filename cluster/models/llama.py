@@ -58,10 +58,17 @@ class LlamaModel:
         """input_ids, positions [T]; kv_cache [L, 2, NB, BS, Hkv, D] → hidden [T, H] (pre-norm)."""
         x = self.w.embed.index_select(0, input_ids)  # [T, H]
         rope = self.rope.lookup(positions)
+        eps, add_norm = self.arch.rms_norm_eps, self.ops.add_rms_norm
+        if add_norm is not None:  # CPU: each residual add fused with the norm after it, x updated in place
+            delta = None
+            for layer, kv_layer in zip(self.w.layers, kv_cache):
+                x, h = add_norm(x, delta, layer.input_norm, eps)
+                x, h = add_norm(x, self._attention(layer, h, rope, kv_layer, meta), layer.post_norm, eps)
+                delta = self._mlp(layer, h)
+            return x if delta is None else x + delta
         for layer, kv_layer in zip(self.w.layers, kv_cache):
-            x = x + self._attention(layer, F.rms_norm(x, x.shape[-1:], layer.input_norm, self.arch.rms_norm_eps),
-                                    rope, kv_layer, meta)
-            x = x + self._mlp(layer, F.rms_norm(x, x.shape[-1:], layer.post_norm, self.arch.rms_norm_eps))
+            x = x + self._attention(layer, F.rms_norm(x, x.shape[-1:], layer.input_norm, eps), rope, kv_layer, meta)
+            x = x + self._mlp(layer, F.rms_norm(x, x.shape[-1:], layer.post_norm, eps))
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -73,7 +80,8 @@ class LlamaModel:
                    kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         a = self.arch
         qkv = layer.qkv(x).view(-1, a.num_heads + 2 * a.num_kv_heads, a.head_dim)
-        qk = self.rope.apply(qkv[:, : a.num_heads + a.num_kv_heads], *rope)
+        qk = qkv[:, : a.num_heads + a.num_kv_heads]  # rotated in place where the ops can (qkv is fresh)
+        qk = self.ops.rope_(qk, *rope) if self.ops.rope_ is not None else self.rope.apply(qk, *rope)
         q, k = qk[:, : a.num_heads], qk[:, a.num_heads:]
         v = qkv[:, a.num_heads + a.num_kv_heads:]
         out = paged_attention(q, k, v, kv_layer, meta, self.ops, self.scale)  # [T, Hq, D]

@@ -41,6 +41,17 @@ def test_cpu_decode_kernel_matches_reference(batch, q_heads, kv_heads, dim, bloc
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("lens", [[1], [16, 17, 250], [150 + 9 * i for i in range(16)]])
+def test_cpu_decode_kernel_over_bfloat16_caches_matches_the_reference_over_their_values(lens):
+    """A bf16 engine's caches: read as the fp32 values they hold, arithmetic in fp32."""
+    query, k_cache, v_cache, tables, context_lens = _case(len(lens), 9, 3, 64, 16, lens)
+    k_half, v_half = k_cache.to(torch.bfloat16), v_cache.to(torch.bfloat16)
+    got = cpu_paged_decode_attention(query, k_half, v_half, tables, context_lens, 0.125)
+    want = ref_paged_decode_attention(query, k_half.float(), v_half.float(), tables, context_lens, 0.125)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_cpu_decode_kernel_reads_only_each_sequences_context():
     """Cache rows past a sequence's length (stale tokens of a freed request) must not leak in."""
     query, k_cache, v_cache, tables, lens = _case(2, 9, 3, 64, 16, [20, 9])

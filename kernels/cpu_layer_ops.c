@@ -1,0 +1,92 @@
+/* The element-wise steps of a decoder layer on the CPU, fp32, one thread: the residual add with
+ * the RMS norm after it, rotary embeddings in place, and the scatter of new K/V rows into the
+ * paged cache. Each is one call where torch takes several ops; at one decode token a torch op
+ * costs 1-2 us of dispatch whatever its size, and a layer of the default model made ~50 of them
+ * (kernels/cpu_layer_ops.py has the figures). Built with cpu_paged_attention.c into one library.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* Per row t of H: x += delta (when delta is not NULL), then out = x * rsqrt(mean(x^2) + eps) * w,
+ * as HF's LlamaRMSNorm in fp32. x and out may not overlap. */
+void tandem_add_rms_norm_f32(float *x, const float *delta, const float *w, float *out, int64_t rows, int64_t H,
+                             float eps) {
+    for (int64_t t = 0; t < rows; t++) {
+        float *xr = x + t * H, *o = out + t * H;
+        if (delta) {
+            const float *dr = delta + t * H;
+            for (int64_t i = 0; i < H; i++) xr[i] += dr[i];
+        }
+        float ss = 0.f;
+        for (int64_t i = 0; i < H; i++) ss += xr[i] * xr[i];
+        const float inv = 1.f / sqrtf(ss / (float)H + eps);
+        for (int64_t i = 0; i < H; i++) o[i] = xr[i] * inv * w[i];
+    }
+}
+
+/* Rotate-half rotary embedding in place: `heads` heads of D floats per token, tokens `stride`
+ * floats apart; cos/sin [T, D/2] for each token's position. */
+void tandem_rope_f32(float *x, int64_t T, int64_t heads, int64_t stride, int64_t D, const float *cos,
+                     const float *sin) {
+    const int64_t half = D / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos + t * half, *s = sin + t * half;
+        for (int64_t h = 0; h < heads; h++) {
+            float *a = x + t * stride + h * D, *b = a + half;
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = a[i], x2 = b[i];
+                a[i] = x1 * c[i] - x2 * s[i];
+                b[i] = x2 * c[i] + x1 * s[i];
+            }
+        }
+    }
+}
+
+/* Token t's K and V rows (`row` floats each, `*_stride` floats apart) into cache slot slots[t]
+ * (slot * row elements into each cache); a slot < 0 is skipped. Returns the number of slots at
+ * or past num_slots, which are not written. */
+int64_t tandem_store_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride, float *k_cache,
+                            float *v_cache, const int64_t *slots, int64_t T, int64_t row, int64_t num_slots) {
+    int64_t bad = 0;
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        if (slot >= num_slots) {
+            bad++;
+            continue;
+        }
+        memcpy(k_cache + slot * row, k + t * k_stride, (size_t)row * sizeof(float));
+        memcpy(v_cache + slot * row, v + t * v_stride, (size_t)row * sizeof(float));
+    }
+    return bad;
+}
+
+/* fp32 -> bf16 bits, rounded to nearest even as torch's `.to(torch.bfloat16)`; NaN -> 0x7fc0. */
+static inline uint16_t to_bf16(float f) {
+    union { float f; uint32_t u; } c = {.f = f};
+    if ((c.u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
+}
+
+/* tandem_store_kv_f32 into bfloat16 caches (uint16 bits). */
+int64_t tandem_store_kv_bf16kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                               uint16_t *k_cache, uint16_t *v_cache, const int64_t *slots, int64_t T, int64_t row,
+                               int64_t num_slots) {
+    int64_t bad = 0;
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        if (slot >= num_slots) {
+            bad++;
+            continue;
+        }
+        uint16_t *kd = k_cache + slot * row, *vd = v_cache + slot * row;
+        const float *ks = k + t * k_stride, *vs = v + t * v_stride;
+        for (int64_t i = 0; i < row; i++) {
+            kd[i] = to_bf16(ks[i]);
+            vd[i] = to_bf16(vs[i]);
+        }
+    }
+    return bad;
+}

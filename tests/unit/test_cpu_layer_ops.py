@@ -1,0 +1,76 @@
+"""A layer's element-wise steps in C (kernels/cpu_layer_ops.py) against the torch ops they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cluster.models.rope import RotaryEmbedding
+from kernels import ref_store_kv
+from kernels.cpu_layer_ops import cpu_add_rms_norm, cpu_rope_, cpu_store_kv
+
+
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (7, 576), (3, 40)])
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_add_rms_norm_matches_torch_and_updates_the_residual(rows, hidden, with_delta):
+    gen = torch.Generator().manual_seed(rows)
+    x, delta = (torch.randn(rows, hidden, generator=gen) for _ in range(2))
+    w = torch.rand(hidden, generator=gen)
+    residual = x + delta if with_delta else x.clone()
+    want = F.rms_norm(residual, (hidden,), w, 1e-5)
+    got_x, got = cpu_add_rms_norm(x, delta if with_delta else None, w, 1e-5)
+    assert got_x is x  # the running residual is updated in place
+    torch.testing.assert_close(x, residual)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_add_rms_norm_refuses_what_it_cannot_update_in_place():
+    x = torch.randn(4, 8).t()  # not contiguous
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_add_rms_norm(x, None, torch.ones(4), 1e-5)
+    with pytest.raises(TypeError, match="float32"):
+        cpu_add_rms_norm(torch.randn(2, 8).double(), None, torch.ones(8), 1e-5)
+
+
+def test_rope_in_place_matches_the_copy_on_a_fused_projections_view():
+    """q and k heads rotated inside the qkv output, v untouched, as the model calls it."""
+    heads, kv_heads, dim, tokens = 9, 3, 64, 5
+    rope = RotaryEmbedding(dim, 4096, 10000.0, {}, torch.device("cpu"), torch.float32)
+    cos, sin = rope.lookup(torch.tensor([0, 1, 17, 900, 4095]))
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, dim)
+    want = rope.apply(qkv[:, : heads + kv_heads], cos, sin)
+    v_before = qkv[:, heads + kv_heads:].clone()
+    got = cpu_rope_(qkv[:, : heads + kv_heads], cos, sin)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(qkv[:, : heads + kv_heads], want, atol=1e-6, rtol=1e-6)
+    assert torch.equal(qkv[:, heads + kv_heads:], v_before)
+
+
+def test_store_kv_matches_the_reference_skips_negative_slots_and_refuses_slots_past_the_cache():
+    tokens, kv_heads, dim, blocks, block_size = 6, 3, 64, 8, 16
+    qkv = torch.randn(tokens, 9 + 2 * kv_heads, dim)
+    key, value = qkv[:, 9: 9 + kv_heads], qkv[:, 9 + kv_heads:]  # strided views, as the model passes them
+    slots = torch.tensor([5, 127, -1, 16, 0, 64])
+    caches = [torch.randn(blocks, block_size, kv_heads, dim, generator=torch.Generator().manual_seed(1))
+              for _ in range(4)]
+    cpu_store_kv(key, value, caches[0], caches[1], slots)
+    ref_store_kv(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    before = caches[0].clone()
+    with pytest.raises(ValueError, match="past the cache"):
+        cpu_store_kv(key[:1], value[:1], caches[0], caches[1], torch.tensor([blocks * block_size]))
+    assert torch.equal(caches[0], before)  # nothing written outside, nothing inside either
+
+
+def test_store_kv_into_bfloat16_caches_rounds_as_torch_does():
+    """Round to nearest even, ties included, as `.to(torch.bfloat16)` (ref_store_kv)."""
+    gen = torch.Generator().manual_seed(2)
+    key, value = torch.randn(5, 3, 64, generator=gen), torch.randn(5, 3, 64, generator=gen)
+    key[0, 0, :4] = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 3e38])  # ties, and near the top
+    slots = torch.tensor([3, 0, 17, -1, 31])
+    caches = [torch.zeros(2, 16, 3, 64, dtype=torch.bfloat16) for _ in range(4)]
+    cpu_store_kv(key, value, caches[0], caches[1], slots)
+    ref_store_kv(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0].view(torch.int16), caches[2].view(torch.int16))
+    assert torch.equal(caches[1].view(torch.int16), caches[3].view(torch.int16))
