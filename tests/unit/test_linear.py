@@ -44,6 +44,14 @@ def test_bfloat16_on_cpu_multiplies_in_bf16_and_keeps_the_rest_float32():
     assert weight_dtypes(torch.bfloat16, torch.device("cpu")) == (torch.float32, torch.bfloat16)
 
 
+def test_a_cpu_engine_in_bf16_keeps_kv_in_bf16_only_where_its_kernels_read_it():
+    from kernels import CPU_OPS, REFERENCE_OPS
+
+    assert model_runner.kv_dtype(torch.float32, torch.bfloat16, CPU_OPS) == torch.bfloat16
+    assert model_runner.kv_dtype(torch.float32, torch.bfloat16, REFERENCE_OPS) == torch.float32  # no C kernels
+    assert model_runner.kv_dtype(torch.float32, None, CPU_OPS) == torch.float32
+
+
 def test_bfloat16_on_a_cpu_without_native_bf16_is_refused_with_what_to_use(monkeypatch):
     monkeypatch.setattr(model_runner, "onednn_packing", lambda dtype=torch.float32: dtype != torch.bfloat16)
     with pytest.raises(ValueError, match="use float32"):
@@ -68,3 +76,18 @@ def test_a_refined_head_keeps_float32s_argmax_and_leading_logits_where_bf16_ties
     top = exact.topk(8, dim=-1).indices  # well inside the 16 refined (the 16th may trade places)
     torch.testing.assert_close(got.gather(1, top), exact.gather(1, top), atol=1e-4, rtol=1e-6)
     assert (got - exact).abs().max() <= 2 ** -7 * exact.abs().max()  # the tail: bf16's rounding
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000, 50257, 64])
+def test_leading_finds_the_same_logits_as_topk(vocab):
+    """The refined head's candidates: each row's k largest, bf16's ties included (any of equal
+    values will do), for a vocabulary not a multiple of the block, and one smaller than k blocks."""
+    from cluster.models.linear import leading
+
+    gen = torch.Generator().manual_seed(vocab)
+    for logits in (torch.randn(5, vocab, generator=gen) * 3 + 10,
+                   (torch.randn(5, vocab, generator=gen) * 3 + 10).to(torch.bfloat16).float()):  # ties
+        got = leading(logits, 16)
+        assert got.shape == (5, 16) and all(len(set(row.tolist())) == 16 for row in got)
+        want = logits.topk(16, dim=-1).values
+        torch.testing.assert_close(logits.gather(1, got).sort(dim=-1, descending=True).values, want, atol=0, rtol=0)
