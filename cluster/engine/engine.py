@@ -378,6 +378,7 @@ class LLMEngine:
 
     def stats(self) -> dict[str, Any]:
         return {
+            "kv_cache_dtype": str(self.runner.kv_cache.dtype).removeprefix("torch."),
             "num_blocks": self.num_blocks,
             "blocks_in_use": self.blocks.num_used_blocks,
             "num_running": len(self.scheduler.running),

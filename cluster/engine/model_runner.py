@@ -31,8 +31,10 @@ def pick_device(name: str) -> torch.device:
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """"auto": bfloat16 on CUDA, and on a CPU that computes bf16 natively (AVX512-BF16 or AMX:
+    `weight_dtypes` says what runs in it there); float32 on other CPUs, where bf16 is emulated."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if device.type == "cuda" or onednn_packing(torch.bfloat16) else torch.float32
     return getattr(torch, name)
 
 

@@ -41,6 +41,12 @@ def hand_off_config(config_file: str) -> dict[str, Any]:
     return config
 
 
+def in_float32(args: dict[str, Any]) -> dict[str, Any]:
+    """App args whose engines compute in float32 whatever the CPU (`auto` is bf16 where it is
+    native): for tests that ask different paths for the very same tokens."""
+    return {**args, "engine": {**args.get("engine", {}), "dtype": "float32"}}
+
+
 def shipped_args(config_file: str) -> dict[str, Any]:
     return load_config(config_file)["applications"][0]["args"]
 

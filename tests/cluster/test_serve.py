@@ -246,9 +246,11 @@ def test_metrics_aggregate_every_replica_of_both_pools(disaggregated):
     sent, received = grew("tandem:kv_transfer_bytes_total", pool="prefill"), grew("tandem:kv_transfer_bytes_total", pool="decode")
     assert sent == received > 0
     # what decode's prefix cache held was not sent: the four prompts share the chat template's
-    # system prompt. 46,080 bytes per token: 30 layers x K and V x 3 KV heads x 64 x fp32
+    # system prompt. Per token: 30 layers x K and V x 3 KV heads x 64 elements, fp32 or bf16
     reused = grew("tandem:kv_reused_blocks_total", pool="decode")
-    assert reused > 0 and sent == (sum(-(-u.prompt_tokens // 16) for u in usage) - reused) * 16 * 46080
+    kv_dtype = next(s for s in replica_stats(serve_url) if s["pool"] == "decode")["kv_cache_dtype"]
+    per_token = 30 * 2 * 3 * 64 * {"float32": 4, "bfloat16": 2}[kv_dtype]
+    assert reused > 0 and sent == (sum(-(-u.prompt_tokens // 16) for u in usage) - reused) * 16 * per_token
     assert total(after, "vllm:num_requests_running") == 0 and total(after, "vllm:kv_cache_usage_perc") == 0
     ttft_le_inf = total(after, "vllm:time_to_first_token_seconds_bucket", pool="router", le="+Inf")
     assert ttft_le_inf == total(after, "vllm:time_to_first_token_seconds_count", pool="router")

@@ -50,7 +50,7 @@ def assert_same_greedy_replies(got, expected, tol: float) -> None:
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
 def test_greedy_tokens_equal_hf_generate_on_tiny_random_models(kind, tiny_model_paths):
     folder = tiny_model_paths[kind]
-    llm = LLM(str(folder))
+    llm = LLM(str(folder), dtype="float32")  # HF's dtype: `auto` is bf16 on a CPU with native bf16
     outs = llm.generate(TEXT_PROMPTS, GREEDY_32)
     for out in outs:
         assert len(out.outputs[0].token_ids) == 32
@@ -59,7 +59,7 @@ def test_greedy_tokens_equal_hf_generate_on_tiny_random_models(kind, tiny_model_
 
 @pytest.mark.slow
 def test_default_model_greedy_tokens_equal_hf_generate(default_model_path):
-    llm = LLM()
+    llm = LLM(dtype="float32")
     assert llm.model_path == default_model_path
     conversations = [[{"role": "user", "content": q}] for q in
                      ("What is the capital of France?", "Name three primary colors.",
@@ -81,18 +81,18 @@ def test_default_model_answers_paris():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not onednn_packing(torch.bfloat16), reason="this CPU has no native bf16 (AVX512-BF16 or AMX)")
-def test_default_model_in_bfloat16_on_cpu_answers_as_in_float32_from_a_float32_kv_cache():
-    """dtype bfloat16 on CPU: the projections and the LM head multiply in bf16, the head's leading
-    logits recomputed in fp32 (the first token here beats its runner-up by 0.08 in fp32: a
-    rounded head ties them), the KV cache stays fp32; the answer's first token and its logprob
-    agree with fp32's."""
+def test_default_model_in_bfloat16_on_cpu_answers_as_in_float32():
+    """dtype bfloat16 on CPU, which `auto` picks on this CPU: the projections and the LM head
+    multiply in bf16, the head's leading logits recomputed in fp32 (the first token here beats
+    its runner-up by 0.08 in fp32: a rounded head ties them), K/V stored in bf16; the answer's
+    first token and its logprob agree with fp32's."""
     question = [{"role": "user", "content": "What is the capital of France?"}]
     params = SamplingParams(temperature=0.0, max_tokens=32, logprobs=1)
     fp32 = LLM(dtype="float32").chat(question, params)[0].outputs[0]
-    llm = LLM(dtype="bfloat16")
+    llm = LLM()
     bf16 = llm.chat(question, params)[0].outputs[0]
     runner = llm.engine.runner
-    assert runner.kv_cache.dtype == torch.float32
+    assert runner.kv_cache.dtype == torch.bfloat16
     head = runner.model.w.lm_head
     assert runner.model.w.layers[0].qkv.dtype == head.fast.dtype == torch.bfloat16
     assert head.exact is runner.model.w.embed and head.exact.dtype == torch.float32  # tied: shared

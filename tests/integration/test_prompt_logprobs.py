@@ -1,5 +1,6 @@
 """Prompt logprobs (`SamplingParams.prompt_logprobs`, what /v1/completions' `echo` returns):
-the model's own log-probabilities of each prompt token, checked against HF transformers."""
+the model's own log-probabilities of each prompt token, checked against HF transformers (so in
+float32, HF's dtype here: `auto` is bf16 on a CPU with native bf16)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def test_prompt_logprobs_equal_hf_in_a_mixed_batch(tiny_model_paths, hf_prompt_l
     prompts = mixed_prompts()  # 3 … 90 tokens, one of a single token
     plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     scored = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, prompt_logprobs=K)
-    llm = LLM(str(tiny_model_paths["llama"]), **engine_args)
+    llm = LLM(str(tiny_model_paths["llama"]), **engine_args, dtype="float32")
     outs = llm.generate(prompts, [scored if i % 2 == 0 else plain for i in range(len(prompts))])
     for i, out in enumerate(outs):
         if i % 2:
@@ -54,7 +55,7 @@ def test_prompt_logprobs_equal_hf_in_a_mixed_batch(tiny_model_paths, hf_prompt_l
         else:
             assert_prompt_logprobs_match(out, hf_prompt_logprobs(prompts[i]))
     # scoring the prompt changes nothing about what is generated
-    alone = LLM(str(tiny_model_paths["llama"]), enable_prefix_caching=False).generate(prompts, plain)
+    alone = LLM(str(tiny_model_paths["llama"]), enable_prefix_caching=False, dtype="float32").generate(prompts, plain)
     assert token_ids(outs) == token_ids(alone)
     stats = llm.engine.stats()
     if proves == "preempted":
@@ -68,14 +69,14 @@ def test_a_cached_prompt_is_scored_in_full_and_the_score_crosses_the_hand_off(ti
     reference = hf_prompt_logprobs(prompt)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=K)
 
-    warm = LLM(folder)
+    warm = LLM(folder, dtype="float32")
     warm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2))  # the prompt's blocks are cached now
     again = warm.generate([prompt], params)[0]
     assert again.num_cached_tokens == 0  # a hit would leave the cached positions unscored
     assert_prompt_logprobs_match(again, reference)
 
     # disaggregated: the prefill side scores the prompt, the decode side hands the score on
-    prefill, decode = LLM(folder).engine, LLM(folder).engine
+    prefill, decode = LLM(folder, dtype="float32").engine, LLM(folder, dtype="float32").engine
     prefill.add_request("r", prompt, params, prefill_only=True)
     while prefill.has_unfinished_requests():
         prefill.step()

@@ -1,5 +1,10 @@
 """Speculative decoding end to end in the engine (offline LLM), on the default model and tiny
-random ones: the same tokens as without speculation, exact sampling, and what each proposer wins."""
+random ones: the same tokens as without speculation, exact sampling, and what each proposer wins.
+
+Engines here run float32 (`auto` is bf16 on a CPU with native bf16): a verify step multiplies
+several rows where decode multiplies one, and bf16's rounding of the activations turns the
+kernels' different summation orders into logprobs 0.004 apart and, at near-ties, another token;
+in fp32 the same paths agree to 1e-6, which is what lets these tests ask for the same tokens."""
 
 from __future__ import annotations
 
@@ -51,7 +56,7 @@ def replies(outs) -> list[list[list[int]]]:
 
 @pytest.fixture(scope="module")
 def reference(default_model_path):
-    llm = LLM()
+    llm = LLM(dtype="float32")
     prompts, params = requests(llm)
     return llm.generate(prompts, params)
 
@@ -66,7 +71,7 @@ def tiny_draft(tiny_model_paths):
 def test_the_same_tokens_with_speculation_for_every_method(method, reference, default_model_path, tiny_draft):
     spec = {"draft_model: itself": {"model": str(default_model_path)},
             "draft_model: tiny random": {"model": tiny_draft}}.get(method, {"method": method})
-    llm = LLM(speculative_config={**spec, "num_speculative_tokens": 4})
+    llm = LLM(speculative_config={**spec, "num_speculative_tokens": 4}, dtype="float32")
     prompts, params = requests(llm)
     outs = llm.generate(prompts, params)
     assert replies(outs) == replies(reference)
@@ -89,7 +94,7 @@ def test_the_same_tokens_with_speculation_for_every_method(method, reference, de
 
 @pytest.mark.slow
 def test_the_default_model_as_its_own_draft_has_every_greedy_draft_accepted(default_model_path):
-    llm = LLM(speculative_config={"model": str(default_model_path), "num_speculative_tokens": 4, "adaptive": False})
+    llm = LLM(speculative_config={"model": str(default_model_path), "num_speculative_tokens": 4, "adaptive": False}, dtype="float32")
     prompts = chats(llm)
     llm.generate(prompts, GREEDY)
     stats = llm.engine.stats()
@@ -101,7 +106,7 @@ def test_the_default_model_as_its_own_draft_has_every_greedy_draft_accepted(defa
 @pytest.mark.slow
 def test_input_grounded_replies_take_fewer_steps_with_ngram(default_model_path):
     """The point of it: a reply that copies its prompt needs far fewer forward passes."""
-    plain, spec = LLM(), LLM(speculative_config={"method": "ngram", "adaptive": False})
+    plain, spec = LLM(dtype="float32"), LLM(speculative_config={"method": "ngram", "adaptive": False}, dtype="float32")
     prompt = chats(plain)[0]
     steps = []
     for llm in (plain, spec):
@@ -121,8 +126,8 @@ def test_preempted_speculating_requests_recompute_to_the_same_tokens(tiny_model_
     prompts = [[100 + 7 * i + j for j in range(10)] * 2 for i in range(6)]  # repeats: ngram drafts
     params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, priority=i % 3) for i in range(6)]
     engine = {"num_blocks": 20, "block_size": 8, "scheduling_policy": "priority"}
-    plain = LLM(folder, **engine).generate(prompts, params)
-    llm = LLM(folder, **engine, speculative_config={"method": "ngram", "adaptive": False, "prompt_lookup_min": 1})
+    plain = LLM(folder, **engine, dtype="float32").generate(prompts, params)
+    llm = LLM(folder, **engine, speculative_config={"method": "ngram", "adaptive": False, "prompt_lookup_min": 1}, dtype="float32")
     outs = llm.generate(prompts, params)
     assert replies(outs) == replies(plain)
     stats = llm.engine.stats()
@@ -140,10 +145,10 @@ def test_constrained_replies_stay_exact_with_speculation_chunked_prefill_and_pre
     pattern = "[a-z]+( [a-z]+)*"  # unambiguous: xgrammar takes ~0.1 s per mask on an ambiguous one, ([a-z]+ ?)+
     specs = [StructuredOutput("regex", pattern), StructuredOutput("json_object"), None]
     params = [SamplingParams(temperature=0.0, max_tokens=40, structured=specs[i % 3]) for i in range(6)]
-    plain = LLM(folder)
+    plain = LLM(folder, dtype="float32")
     alone = [plain.generate([p], [q])[0] for p, q in zip(prompts[:3], params[:3])]  # one at a time
     engine = {"num_blocks": 20, "block_size": 8, "max_num_batched_tokens": 12}
-    llm = LLM(folder, **engine, speculative_config={"method": "ngram", "adaptive": False, "prompt_lookup_min": 1})
+    llm = LLM(folder, **engine, speculative_config={"method": "ngram", "adaptive": False, "prompt_lookup_min": 1}, dtype="float32")
     outs = llm.generate(prompts, params)
     assert replies(outs[:3]) == replies(alone)
     for i in (0, 3):
@@ -156,8 +161,8 @@ def test_prompt_logprobs_are_unchanged_with_speculation(tiny_model_paths):
     folder = str(tiny_model_paths["llama"])
     prompt = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]]
     params = SamplingParams(temperature=0.0, max_tokens=12, prompt_logprobs=2, ignore_eos=True)
-    want = LLM(folder).generate(prompt, params)[0]
-    got = LLM(folder, speculative_config={"method": "ngram", "prompt_lookup_min": 1}).generate(prompt, params)[0]
+    want = LLM(folder, dtype="float32").generate(prompt, params)[0]
+    got = LLM(folder, speculative_config={"method": "ngram", "prompt_lookup_min": 1}, dtype="float32").generate(prompt, params)[0]
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
     assert [e and e.sampled for e in got.prompt_logprobs] == [e and e.sampled for e in want.prompt_logprobs]
 
@@ -171,7 +176,7 @@ def test_a_draft_model_with_another_tokenizer_is_refused_at_load(tiny_model_path
     vocab[a], vocab[b] = vocab[b], vocab[a]  # the same size, two ids swapped
     (other / "tokenizer.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match="tokenizer other than the target's"):
-        LLM(str(tiny_model_paths["llama"]), speculative_config={"model": str(other)})
+        LLM(str(tiny_model_paths["llama"]), speculative_config={"model": str(other)}, dtype="float32")
 
 
 # -- exactness under sampling -------------------------------------------------------------------
@@ -207,7 +212,7 @@ def samples(folder: str, proposer: Proposer | None = None, count: int = 1000) ->
     The first comes from the prefill; with a proposer, the second is a verified draft (accepted,
     or the token sampled in its place) and the third the token after it."""
     llm = LLM(folder, max_num_seqs=64, speculative_config={"method": "ngram", "adaptive": False,
-                                                           "num_speculative_tokens": 2} if proposer else None)
+                                                           "num_speculative_tokens": 2} if proposer else None, dtype="float32")
     if proposer is not None:
         llm.engine.speculator.proposer = proposer
     params = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
@@ -274,8 +279,8 @@ def test_a_draft_s_prompt_kv_crosses_with_the_target_s_even_of_another_shape(tin
     names the draft, so a pool without it, or with another, refuses the payload."""
     target, draft = str(tiny_model_paths["llama"]), str(tiny_model_paths["mistral"])
     spec = {"model": draft, "num_speculative_tokens": 3, "adaptive": False}
-    prefill, decode = LLM(target, speculative_config=spec).engine, LLM(target, speculative_config=spec).engine
-    plain = LLM(target).engine
+    prefill, decode = LLM(target, speculative_config=spec, dtype="float32").engine, LLM(target, speculative_config=spec, dtype="float32").engine
+    plain = LLM(target, dtype="float32").engine
     assert prefill.kv_layout() == decode.kv_layout() != plain.kv_layout()
     assert "+draft:mistral@" in decode.kv_layout().model
 
@@ -297,5 +302,5 @@ def test_a_draft_s_prompt_kv_crosses_with_the_target_s_even_of_another_shape(tin
     while decode.has_unfinished_requests():
         for out in decode.step():
             finals[out.request_id] = out.outputs[0].token_ids
-    assert finals["r"] == LLM(target).generate([prompt], params)[0].outputs[0].token_ids
+    assert finals["r"] == LLM(target, dtype="float32").generate([prompt], params)[0].outputs[0].token_ids
     assert decode.stats()["spec_num_draft_tokens"] > 0

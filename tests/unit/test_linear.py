@@ -44,6 +44,13 @@ def test_bfloat16_on_cpu_multiplies_in_bf16_and_keeps_the_rest_float32():
     assert weight_dtypes(torch.bfloat16, torch.device("cpu")) == (torch.float32, torch.bfloat16)
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_is_bfloat16_on_a_cpu_with_native_bf16_and_float32_on_others(monkeypatch, native):
+    monkeypatch.setattr(model_runner, "onednn_packing", lambda dtype=torch.float32: native or dtype != torch.bfloat16)
+    assert model_runner.pick_dtype("auto", torch.device("cpu")) == (torch.bfloat16 if native else torch.float32)
+    assert model_runner.pick_dtype("float32", torch.device("cpu")) == torch.float32
+
+
 def test_a_cpu_engine_in_bf16_keeps_kv_in_bf16_only_where_its_kernels_read_it():
     from kernels import CPU_OPS, REFERENCE_OPS
 
