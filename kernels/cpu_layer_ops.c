@@ -43,25 +43,6 @@ void tandem_rope_f32(float *x, int64_t T, int64_t heads, int64_t stride, int64_t
     }
 }
 
-/* Token t's K and V rows (`row` floats each, `*_stride` floats apart) into cache slot slots[t]
- * (slot * row elements into each cache); a slot < 0 is skipped. Returns the number of slots at
- * or past num_slots, which are not written. */
-int64_t tandem_store_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride, float *k_cache,
-                            float *v_cache, const int64_t *slots, int64_t T, int64_t row, int64_t num_slots) {
-    int64_t bad = 0;
-    for (int64_t t = 0; t < T; t++) {
-        const int64_t slot = slots[t];
-        if (slot < 0) continue;
-        if (slot >= num_slots) {
-            bad++;
-            continue;
-        }
-        memcpy(k_cache + slot * row, k + t * k_stride, (size_t)row * sizeof(float));
-        memcpy(v_cache + slot * row, v + t * v_stride, (size_t)row * sizeof(float));
-    }
-    return bad;
-}
-
 /* fp32 -> bf16 bits, rounded to nearest even as torch's `.to(torch.bfloat16)`; NaN -> 0x7fc0. */
 static inline uint16_t to_bf16(float f) {
     union { float f; uint32_t u; } c = {.f = f};
@@ -69,10 +50,24 @@ static inline uint16_t to_bf16(float f) {
     return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
 }
 
-/* tandem_store_kv_f32 into bfloat16 caches (uint16 bits). */
-int64_t tandem_store_kv_bf16kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
-                               uint16_t *k_cache, uint16_t *v_cache, const int64_t *slots, int64_t T, int64_t row,
-                               int64_t num_slots) {
+/* One row of `row` floats into a cache row: copied (float32) or rounded (bfloat16 bits). */
+static inline __attribute__((always_inline)) void put_row(void *dst, const float *src, int64_t row, const int bf16) {
+    if (!bf16) {
+        memcpy(dst, src, (size_t)row * sizeof(float));
+        return;
+    }
+    uint16_t *d = dst;
+    for (int64_t i = 0; i < row; i++) d[i] = to_bf16(src[i]);
+}
+
+/* Token t's K and V rows (`row` floats each, `*_stride` floats apart) into cache slot slots[t]
+ * (slot * row elements into each cache); a slot < 0 is skipped. Returns the number of slots at
+ * or past num_slots, which are not written. `bf16` is a constant in each caller. */
+static inline __attribute__((always_inline)) int64_t store_kv(const float *k, int64_t k_stride, const float *v,
+                                                              int64_t v_stride, char *k_cache, char *v_cache,
+                                                              const int64_t *slots, int64_t T, int64_t row,
+                                                              int64_t num_slots, const int bf16) {
+    const int64_t row_bytes = row * (bf16 ? 2 : 4);
     int64_t bad = 0;
     for (int64_t t = 0; t < T; t++) {
         const int64_t slot = slots[t];
@@ -81,12 +76,20 @@ int64_t tandem_store_kv_bf16kv(const float *k, int64_t k_stride, const float *v,
             bad++;
             continue;
         }
-        uint16_t *kd = k_cache + slot * row, *vd = v_cache + slot * row;
-        const float *ks = k + t * k_stride, *vs = v + t * v_stride;
-        for (int64_t i = 0; i < row; i++) {
-            kd[i] = to_bf16(ks[i]);
-            vd[i] = to_bf16(vs[i]);
-        }
+        put_row(k_cache + slot * row_bytes, k + t * k_stride, row, bf16);
+        put_row(v_cache + slot * row_bytes, v + t * v_stride, row, bf16);
     }
     return bad;
+}
+
+int64_t tandem_store_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride, float *k_cache,
+                            float *v_cache, const int64_t *slots, int64_t T, int64_t row, int64_t num_slots) {
+    return store_kv(k, k_stride, v, v_stride, (char *)k_cache, (char *)v_cache, slots, T, row, num_slots, 0);
+}
+
+/* The same into bfloat16 caches (uint16 bits). */
+int64_t tandem_store_kv_bf16kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                               uint16_t *k_cache, uint16_t *v_cache, const int64_t *slots, int64_t T, int64_t row,
+                               int64_t num_slots) {
+    return store_kv(k, k_stride, v, v_stride, (char *)k_cache, (char *)v_cache, slots, T, row, num_slots, 1);
 }

@@ -14,14 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_paged_attention import KV_DTYPES, load
-
-
-def _lib():
-    lib = load()
-    if lib is None:
-        raise RuntimeError("the CPU kernels are not built on this machine (kernels/cpu_paged_attention.py)")
-    return lib
+from kernels.cpu_paged_attention import KV_DTYPES, built
 
 
 def _check_f32(**tensors: torch.Tensor) -> None:
@@ -42,7 +35,7 @@ def cpu_add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.
         delta = delta.contiguous()
     w = weight if weight.is_contiguous() else weight.contiguous()
     out = torch.empty_like(x)
-    _lib().tandem_add_rms_norm_f32(x.data_ptr(), delta.data_ptr() if delta is not None else None, w.data_ptr(),
+    built().tandem_add_rms_norm_f32(x.data_ptr(), delta.data_ptr() if delta is not None else None, w.data_ptr(),
                                    out.data_ptr(), rows, hidden, eps)
     return x, out
 
@@ -59,7 +52,7 @@ def cpu_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     if x.stride(2) != 1 or x.stride(1) != dim:
         raise ValueError(f"x's heads must be contiguous within a token (strides {x.stride()})")
     cos, sin = cos.contiguous(), sin.contiguous()
-    _lib().tandem_rope_f32(x.data_ptr(), tokens, heads, x.stride(0), dim, cos.data_ptr(), sin.data_ptr())
+    built().tandem_rope_f32(x.data_ptr(), tokens, heads, x.stride(0), dim, cos.data_ptr(), sin.data_ptr())
     return x
 
 
@@ -83,7 +76,7 @@ def cpu_store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, 
     slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
     slots = slots.contiguous()
     num_slots = k_cache.shape[0] * k_cache.shape[1]
-    lib = _lib()
+    lib = built()
     store = lib.tandem_store_kv_f32 if k_cache.dtype == torch.float32 else lib.tandem_store_kv_bf16kv
     bad = store(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
                 k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), tokens, num_kv_heads * head_dim, num_slots)

@@ -104,6 +104,14 @@ def available() -> bool:
     return load() is not None
 
 
+def built() -> ctypes.CDLL:
+    """The library, for a wrapper about to call into it; an error where it could not be built."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("the CPU kernels are not built on this machine (kernels/cpu_paged_attention.py)")
+    return lib
+
+
 def cpu_paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
                                scale: float) -> torch.Tensor:
@@ -111,9 +119,7 @@ def cpu_paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cac
     caches [num_blocks, block_size, Hkv, D], block_tables [B, W] int32, context_lens [B] int32
     (each >= 1) → [B, Hq, D]. CPU tensors: query float32, caches float32 or bfloat16 (read as
     fp32), contiguous."""
-    lib = load()
-    if lib is None:
-        raise RuntimeError("the CPU attention kernel is not built on this machine (kernels/cpu_paged_attention.py)")
+    lib = built()
     batch, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
     if query.dtype != torch.float32 or query.device.type != "cpu":
@@ -153,9 +159,7 @@ def cpu_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
     """Causal attention of a prefill chunk: query [n, Hq, D] are the last n of the ctx positions
     in key/value [ctx, Hkv, D] (query i sees positions <= ctx - n + i) → [n, Hq, D]. fp32 CPU
     tensors; rows may be strided (views into a fused qkv projection), each row's heads contiguous."""
-    lib = load()
-    if lib is None:
-        raise RuntimeError("the CPU attention kernel is not built on this machine (kernels/cpu_paged_attention.py)")
+    lib = built()
     (n, num_heads, head_dim), (ctx, num_kv_heads, _) = query.shape, key.shape
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.dtype != torch.float32 or t.device.type != "cpu":
