@@ -11,7 +11,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from kernels import cpu_paged_attention
-from kernels.cpu_layer_ops import cpu_add_rms_norm, cpu_rope_, cpu_store_kv
+from kernels.cpu_layer_ops import cpu_add_rms_norm, cpu_rope_, cpu_silu_mul, cpu_store_kv
 from kernels.cpu_paged_attention import cpu_paged_decode_attention, cpu_prefill_attention
 from kernels.pack_kv import pack_kv, unpack_kv
 from kernels.paged_attention import paged_decode_attention
@@ -22,7 +22,8 @@ from kernels.store_kv import store_kv
 __all__ = [
     "KernelOps", "ops_for",
     "store_kv", "paged_decode_attention", "pack_kv", "unpack_kv",
-    "cpu_paged_decode_attention", "cpu_prefill_attention", "cpu_add_rms_norm", "cpu_rope_", "cpu_store_kv",
+    "cpu_paged_decode_attention", "cpu_prefill_attention", "cpu_add_rms_norm", "cpu_rope_", "cpu_silu_mul",
+    "cpu_store_kv",
     "ref_store_kv", "ref_paged_decode_attention", "ref_pack_kv", "ref_unpack_kv",
 ]
 
@@ -35,12 +36,16 @@ class KernelOps(NamedTuple):
     # False: `paged_decode_attention` is only a reference, and the CPU engine gathers each
     # decode's K/V rows with its own index (cluster/models/attention.py) rather than call it.
     decode_in_place: bool = True
-    # causal attention of a prefill chunk over contiguous K/V ([n, Hq, D] queries, [ctx, Hkv, D]);
-    # None: torch's SDPA (cluster/models/attention.py)
+    # causal attention of a prefill chunk over contiguous K/V ([n, Hq, D] queries, [ctx, Hkv, D]),
+    # (q, k, v, scale, products dtype: bfloat16 where K/V are bf16 values); None: torch's SDPA
+    # (cluster/models/attention.py)
     prefill_attention: Callable[..., torch.Tensor] | None = None
-    # the residual add and the RMS norm after it in one call, (x, delta | None, weight, eps) →
-    # (x += delta, norm(x)); None: torch's ops (cluster/models/llama.py)
+    # the residual add and the RMS norm after it in one call, (x, delta | None, weight, eps,
+    # out_dtype) → (x += delta, norm(x) in out_dtype); delta float32 or bfloat16 (a bf16
+    # projection's output); None: torch's ops (cluster/models/llama.py)
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    # silu(gate) * up of a bfloat16 [T, 2I] gate/up output → bfloat16 [T, I]; None: torch's ops
+    silu_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
     # rotary embedding in place, (x [T, heads, D], cos, sin) → x; None: RotaryEmbedding.apply's copy
     rope_: Callable[..., torch.Tensor] | None = None
     # store_kv and paged_decode_attention also take bfloat16 caches beside float32 activations
@@ -52,7 +57,8 @@ TRITON_OPS = KernelOps(store_kv, paged_decode_attention, pack_kv, unpack_kv)
 REFERENCE_OPS = KernelOps(ref_store_kv, ref_paged_decode_attention, ref_pack_kv, ref_unpack_kv, False)
 CPU_OPS = REFERENCE_OPS._replace(store_kv=cpu_store_kv, paged_decode_attention=cpu_paged_decode_attention,
                                  decode_in_place=True, prefill_attention=cpu_prefill_attention,
-                                 add_rms_norm=cpu_add_rms_norm, rope_=cpu_rope_, bf16_kv=True)
+                                 add_rms_norm=cpu_add_rms_norm, rope_=cpu_rope_, bf16_kv=True,
+                                 silu_mul=cpu_silu_mul)
 
 
 def ops_for(device: torch.device, dtype: torch.dtype = torch.float32) -> KernelOps:

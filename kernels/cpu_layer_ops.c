@@ -1,27 +1,75 @@
-/* The element-wise steps of a decoder layer on the CPU, fp32, one thread: the residual add with
- * the RMS norm after it, rotary embeddings in place, and the scatter of new K/V rows into the
- * paged cache. Each is one call where torch takes several ops; at one decode token a torch op
- * costs 1-2 us of dispatch whatever its size, and a layer of the default model made ~50 of them
- * (kernels/cpu_layer_ops.py has the figures). Built with cpu_paged_attention.c into one library.
+/* The element-wise steps of a decoder layer on the CPU, one thread: the residual add with the RMS
+ * norm after it, rotary embeddings in place, the scatter of new K/V rows into the paged cache,
+ * and the MLP's silu(gate) * up. Each is one call where torch takes several ops; at one decode
+ * token a torch op costs 1-2 us of dispatch whatever its size, and a layer of the default model
+ * made ~50 of them (kernels/cpu_layer_ops.py has the figures). Arithmetic is fp32; the residual
+ * stream is fp32, and the tensors that only feed a bf16 projection or come out of one may be
+ * bf16 (uint16 bits). Built with cpu_paged_attention.c into one library.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-/* Per row t of H: x += delta (when delta is not NULL), then out = x * rsqrt(mean(x^2) + eps) * w,
- * as HF's LlamaRMSNorm in fp32. x and out may not overlap. */
-void tandem_add_rms_norm_f32(float *x, const float *delta, const float *w, float *out, int64_t rows, int64_t H,
-                             float eps) {
+/* fp32 -> bf16 bits, rounded to nearest even as torch's `.to(torch.bfloat16)`; NaN -> 0x7fc0. */
+static inline uint16_t to_bf16(float f) {
+    union { float f; uint32_t u; } c = {.f = f};
+    if ((c.u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
+}
+
+static inline float from_bf16(uint16_t b) {
+    union { uint32_t u; float f; } c = {.u = (uint32_t)b << 16};
+    return c.f;
+}
+
+/* Per row t of H: x += delta (when delta is not NULL; float32, or bfloat16 bits when delta_bf16),
+ * then out = x * rsqrt(mean(x^2) + eps) * w, as HF's LlamaRMSNorm in fp32, written as float32
+ * or (out_bf16) rounded to bfloat16 as `.to(torch.bfloat16)` would. x and out may not overlap.
+ * The flags are constants in each caller below. */
+static inline __attribute__((always_inline)) void add_rms_norm(float *x, const void *delta, const float *w,
+                                                               void *out, int64_t rows, int64_t H, float eps,
+                                                               const int delta_bf16, const int out_bf16) {
     for (int64_t t = 0; t < rows; t++) {
-        float *xr = x + t * H, *o = out + t * H;
-        if (delta) {
-            const float *dr = delta + t * H;
+        float *xr = x + t * H;
+        if (delta && delta_bf16) {
+            const uint16_t *dr = (const uint16_t *)delta + t * H;
+            for (int64_t i = 0; i < H; i++) xr[i] += from_bf16(dr[i]);
+        } else if (delta) {
+            const float *dr = (const float *)delta + t * H;
             for (int64_t i = 0; i < H; i++) xr[i] += dr[i];
         }
         float ss = 0.f;
         for (int64_t i = 0; i < H; i++) ss += xr[i] * xr[i];
         const float inv = 1.f / sqrtf(ss / (float)H + eps);
-        for (int64_t i = 0; i < H; i++) o[i] = xr[i] * inv * w[i];
+        if (out_bf16) {
+            uint16_t *o = (uint16_t *)out + t * H;
+            for (int64_t i = 0; i < H; i++) o[i] = to_bf16(xr[i] * inv * w[i]);
+        } else {
+            float *o = (float *)out + t * H;
+            for (int64_t i = 0; i < H; i++) o[i] = xr[i] * inv * w[i];
+        }
+    }
+}
+
+void tandem_add_rms_norm(float *x, const void *delta, const float *w, void *out, int64_t rows, int64_t H, float eps,
+                         int64_t delta_bf16, int64_t out_bf16) {
+    if (delta_bf16 && out_bf16) add_rms_norm(x, delta, w, out, rows, H, eps, 1, 1);
+    else if (delta_bf16) add_rms_norm(x, delta, w, out, rows, H, eps, 1, 0);
+    else if (out_bf16) add_rms_norm(x, delta, w, out, rows, H, eps, 0, 1);
+    else add_rms_norm(x, delta, w, out, rows, H, eps, 0, 0);
+}
+
+/* out[t, i] = silu(gu[t, i]) * gu[t, I + i] over bfloat16 bits, computed in fp32 as torch's
+ * `F.silu(gate.float()) * up.float()` and rounded to bf16: the fused gate/up projection's output
+ * (rows `stride` elements apart) into the down projection's input [rows, I]. */
+void tandem_silu_mul_bf16(const uint16_t *gu, int64_t stride, uint16_t *out, int64_t rows, int64_t I) {
+    for (int64_t t = 0; t < rows; t++) {
+        const uint16_t *g = gu + t * stride, *u = g + I;
+        uint16_t *o = out + t * I;
+        for (int64_t i = 0; i < I; i++) {
+            const float a = from_bf16(g[i]);
+            o[i] = to_bf16(a / (1.f + expf(-a)) * from_bf16(u[i]));
+        }
     }
 }
 
@@ -41,13 +89,6 @@ void tandem_rope_f32(float *x, int64_t T, int64_t heads, int64_t stride, int64_t
             }
         }
     }
-}
-
-/* fp32 -> bf16 bits, rounded to nearest even as torch's `.to(torch.bfloat16)`; NaN -> 0x7fc0. */
-static inline uint16_t to_bf16(float f) {
-    union { float f; uint32_t u; } c = {.f = f};
-    if ((c.u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
 }
 
 /* One row of `row` floats into a cache row: copied (float32) or rounded (bfloat16 bits). */

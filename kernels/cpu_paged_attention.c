@@ -15,6 +15,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 /* A cache element as fp32: caches are float32, or bfloat16 (a CPU engine in bf16), whose bits
  * are fp32's upper half. `bf16` is a constant in each caller, so each variant compiles alone. */
@@ -363,4 +364,147 @@ void tandem_prefill_attention_f32(const float *q, int64_t q_stride, const float 
             prefill_head(q, q_stride, k, v, kv_stride, out, out_stride, n, ctx, hk, group, head_dim, scale, qbuf,
                          acc, m, l, kt);
     }
+}
+
+/* The same causal attention with its two products in bf16 (AVX512-BF16's `vdpbf16ps`: pairs of
+ * bf16 products summed into fp32 lanes, twice the multiplies of an fp32 FMA per instruction), for
+ * a CPU engine in bf16 whose K/V are bf16 already: queries rounded to bf16 (scaled first), the
+ * softmax in fp32 and its probabilities rounded to bf16 for P.V, accumulators fp32 (as GPU
+ * flash attention in bf16). D = 64. K is laid out [D/2][t] in pairs of dims, V [t/2][D] in pairs
+ * of tokens, so each vector holds 16 lanes of pairs. Returns -1 (nothing done) where the compiler
+ * targets no AVX512-BF16; scratch as for the fp32 kernel (the K and V copies take its K's room). */
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+/* 32 fp32 -> 16 pairs of bf16 (element 2i low, 2i + 1 high), rounded to nearest even */
+static inline __m512i pairs32(const float *x) {
+    return (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(x));
+}
+
+static void prefill_head_bf16(const float *q, int64_t q_stride, const float *k, const float *v, int64_t kv_stride,
+                              float *out, int64_t out_stride, int64_t n, int64_t ctx, int64_t hk, int64_t group,
+                              float scale, uint32_t *qbuf, float *acc, float *m, float *l, uint32_t *kt,
+                              uint32_t *vt) {
+    enum { D = 64, DP = 32 };
+    const int64_t width = (ctx + KT - 1) / KT * KT + 16; /* as the fp32 kernel: see there */
+    uint32_t pair[DP] __attribute__((aligned(64)));
+    for (int64_t t = 0; t < width; t++) { /* kt[dp][t]: dims 2dp, 2dp + 1 of key t */
+        if (t < ctx) {
+            const float *kr = k + t * kv_stride + hk * D;
+            _mm512_store_si512(pair, pairs32(kr));
+            _mm512_store_si512(pair + 16, pairs32(kr + 32));
+        } else {
+            memset(pair, 0, sizeof pair);
+        }
+        for (int64_t dp = 0; dp < DP; dp++) kt[dp * width + t] = pair[dp];
+    }
+    for (int64_t tp = 0; tp < width / 2; tp++) { /* vt[tp][d]: dim d of keys 2tp, 2tp + 1 */
+        for (int64_t c = 0; c < D; c += 16) {
+            __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+            if (2 * tp < ctx)
+                lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(v + 2 * tp * kv_stride + hk * D + c)));
+            if (2 * tp + 1 < ctx)
+                hi = _mm512_cvtepu16_epi32(
+                    (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(v + (2 * tp + 1) * kv_stride + hk * D + c)));
+            _mm512_storeu_si512(vt + tp * D + c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+    }
+    for (int64_t i0 = 0; i0 < n; i0 += QT) {
+        const int64_t qn = n - i0 < QT ? n - i0 : QT, rows = qn * group;
+        const int64_t padded = (rows + RB - 1) / RB * RB; /* pad rows repeat the last one */
+        for (int64_t r = 0; r < padded; r++) {
+            const int64_t rr = r < rows ? r : rows - 1;
+            const float *src = q + (i0 + rr / group) * q_stride + (hk * group + rr % group) * D;
+            float scaled[D] __attribute__((aligned(64)));
+            for (int64_t d = 0; d < D; d++) { scaled[d] = src[d] * scale; acc[r * D + d] = 0.f; }
+            _mm512_storeu_si512(qbuf + r * DP, pairs32(scaled));
+            _mm512_storeu_si512(qbuf + r * DP + 16, pairs32(scaled + 32));
+            m[r] = MASKED;
+            l[r] = 0.f;
+        }
+        const int64_t first = ctx - n + i0, keys = first + qn; /* positions first.. ; keys [0, keys) */
+        for (int64_t t0 = 0; t0 < keys; t0 += KT) {
+            const int64_t tn = keys - t0 < KT ? keys - t0 : KT;
+            for (int64_t r0 = 0; r0 < padded; r0 += RB) {
+                __m512 sc[RB][KT / 16];
+                for (int64_t a = 0; a < RB; a++)
+                    for (int64_t j = 0; j < KT / 16; j++) sc[a][j] = _mm512_setzero_ps();
+                for (int64_t dp = 0; dp < DP; dp++) {
+                    __m512bh kv[KT / 16];
+                    for (int64_t j = 0; j < KT / 16; j++) kv[j] = (__m512bh)_mm512_loadu_si512(kt + dp * width + t0 + 16 * j);
+                    PIN4(kv);
+                    for (int64_t a = 0; a < RB; a++) {
+                        const __m512bh qd = (__m512bh)_mm512_set1_epi32((int)qbuf[(r0 + a) * DP + dp]);
+                        for (int64_t j = 0; j < KT / 16; j++) sc[a][j] = _mm512_dpbf16_ps(sc[a][j], kv[j], qd);
+                    }
+                }
+                float pr[RB][KT] __attribute__((aligned(64)));
+                uint32_t pp[RB][KT / 2] __attribute__((aligned(64)));
+                int64_t upto = 0;
+                for (int64_t a = 0; a < RB; a++) {
+                    const int64_t r = r0 + a, rr = r < rows ? r : rows - 1;
+                    float *sr = pr[a];
+                    for (int64_t j = 0; j < KT / 16; j++) _mm512_store_ps(sr + 16 * j, sc[a][j]);
+                    const int64_t visible = first + rr / group + 1 - t0; /* keys t < visible are seen */
+                    const int64_t seen = visible < tn ? visible : tn;
+                    upto = seen > upto ? seen : upto;
+                    float mt = m[r];
+                    for (int64_t t = 0; t < KT; t++) {
+                        sr[t] = t < seen ? sr[t] : MASKED;
+                        mt = sr[t] > mt ? sr[t] : mt;
+                    }
+                    const float alpha = expf(m[r] - mt);
+                    float sum = 0.f;
+                    for (int64_t t = 0; t < KT; t++) { sr[t] = expf(sr[t] - mt); sum += sr[t]; }
+                    l[r] = l[r] * alpha + sum;
+                    m[r] = mt;
+                    for (int64_t d = 0; d < D; d++) acc[r * D + d] *= alpha;
+                    _mm512_store_si512(pp[a], pairs32(sr));
+                    _mm512_store_si512(pp[a] + 16, pairs32(sr + 32));
+                }
+                __m512 o[RB][D / 16];
+                for (int64_t a = 0; a < RB; a++)
+                    for (int64_t j = 0; j < D / 16; j++) o[a][j] = _mm512_loadu_ps(acc + (r0 + a) * D + 16 * j);
+                for (int64_t tp = 0; tp < (upto + 1) / 2; tp++) { /* past `upto` every p is 0 */
+                    __m512bh vr[D / 16];
+                    for (int64_t j = 0; j < D / 16; j++) vr[j] = (__m512bh)_mm512_loadu_si512(vt + (t0 / 2 + tp) * D + 16 * j);
+                    PIN4(vr);
+                    for (int64_t a = 0; a < RB; a++) {
+                        const __m512bh p = (__m512bh)_mm512_set1_epi32((int)pp[a][tp]);
+                        for (int64_t j = 0; j < D / 16; j++) o[a][j] = _mm512_dpbf16_ps(o[a][j], vr[j], p);
+                    }
+                }
+                for (int64_t a = 0; a < RB; a++)
+                    for (int64_t j = 0; j < D / 16; j++) _mm512_storeu_ps(acc + (r0 + a) * D + 16 * j, o[a][j]);
+            }
+        }
+        for (int64_t r = 0; r < rows; r++) {
+            float *dst = out + (i0 + r / group) * out_stride + (hk * group + r % group) * D;
+            const float inv = 1.f / l[r];
+            for (int64_t d = 0; d < D; d++) dst[d] = acc[r * D + d] * inv;
+        }
+    }
+}
+#endif
+
+int64_t tandem_prefill_attention_bf16(const float *q, int64_t q_stride, const float *k, const float *v,
+                                      int64_t kv_stride, float *out, int64_t out_stride, int64_t n, int64_t ctx,
+                                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
+                                      float *scratch) {
+#if defined(__AVX512BF16__)
+    if (head_dim != 64) return -1;
+    const int64_t group = num_heads / num_kv_heads, rows = QT * group + RB;
+    const int64_t width = (ctx + KT - 1) / KT * KT + 16;
+    uint32_t *qbuf = (uint32_t *)scratch;
+    float *acc = scratch + rows * head_dim, *m = acc + rows * head_dim, *l = m + rows;
+    uint32_t *kt = (uint32_t *)(l + rows), *vt = kt + width * head_dim / 2;
+    for (int64_t hk = 0; hk < num_kv_heads; hk++)
+        prefill_head_bf16(q, q_stride, k, v, kv_stride, out, out_stride, n, ctx, hk, group, scale, qbuf, acc, m, l,
+                          kt, vt);
+    return 0;
+#else
+    (void)q; (void)q_stride; (void)k; (void)v; (void)kv_stride; (void)out; (void)out_stride; (void)n; (void)ctx;
+    (void)num_heads; (void)num_kv_heads; (void)head_dim; (void)scale; (void)scratch;
+    return -1;
+#endif
 }

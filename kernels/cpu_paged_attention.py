@@ -84,12 +84,16 @@ def load() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.restype = _I64
         fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _PTR]
-    fn = lib.tandem_prefill_attention_f32
+    for name, restype in (("tandem_prefill_attention_f32", None), ("tandem_prefill_attention_bf16", _I64)):
+        fn = getattr(lib, name)
+        fn.restype = restype
+        fn.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _PTR]
+    fn = lib.tandem_add_rms_norm
     fn.restype = None
-    fn.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _PTR]
-    fn = lib.tandem_add_rms_norm_f32
+    fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _I64, _I64]
+    fn = lib.tandem_silu_mul_bf16
     fn.restype = None
-    fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32]
+    fn.argtypes = [_PTR, _I64, _PTR, _I64, _I64]
     fn = lib.tandem_rope_f32
     fn.restype = None
     fn.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR]
@@ -155,10 +159,14 @@ def cpu_paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cac
 _QT, _KT, _RB = 8, 64, 4  # the C file's query tile, key tile and rows per pass
 
 
-def cpu_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+def cpu_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                          products: torch.dtype = torch.float32) -> torch.Tensor:
     """Causal attention of a prefill chunk: query [n, Hq, D] are the last n of the ctx positions
     in key/value [ctx, Hkv, D] (query i sees positions <= ctx - n + i) → [n, Hq, D]. fp32 CPU
-    tensors; rows may be strided (views into a fused qkv projection), each row's heads contiguous."""
+    tensors; rows may be strided (views into a fused qkv projection), each row's heads contiguous.
+    `products` bfloat16 (a bf16 engine, whose K/V are bf16 values already): Q.K and P.V multiply
+    in bf16 with fp32 sums, where the CPU has AVX512-BF16 and D is 64 (elsewhere fp32): a layer
+    of 1,024 tokens of the default model, one thread, 2-core EPYC on 2026-11-27: 17.1 -> 11.4 ms."""
     lib = built()
     (n, num_heads, head_dim), (ctx, num_kv_heads, _) = query.shape, key.shape
     for name, t in (("query", query), ("key", key), ("value", value)):
@@ -176,7 +184,8 @@ def cpu_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
         return out
     rows = _QT * num_heads // num_kv_heads + _RB
     scratch = torch.empty(2 * rows * head_dim + 2 * rows + head_dim * (-(-ctx // _KT) * _KT + 16), dtype=torch.float32)
-    lib.tandem_prefill_attention_f32(query.data_ptr(), query.stride(0), key.data_ptr(), value.data_ptr(),
-                                     key.stride(0), out.data_ptr(), out.stride(0), n, ctx, num_heads,
-                                     num_kv_heads, head_dim, scale, scratch.data_ptr())
+    args = (query.data_ptr(), query.stride(0), key.data_ptr(), value.data_ptr(), key.stride(0), out.data_ptr(),
+            out.stride(0), n, ctx, num_heads, num_kv_heads, head_dim, scale, scratch.data_ptr())
+    if products != torch.bfloat16 or lib.tandem_prefill_attention_bf16(*args) != 0:
+        lib.tandem_prefill_attention_f32(*args)
     return out

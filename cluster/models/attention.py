@@ -11,7 +11,7 @@ Decodes run the Triton paged kernel on CUDA, and on CPU in fp32 the C kernel of
 kernels/cpu_paged_attention.py, which reads the blocks in place (16 chats of ~225 tokens, the
 default model, one thread: a 61 ms engine step -> 47 ms against the gather below); prefill
 chunks there run its flash-style causal kernel (1,000 tokens, a layer: 19.8 -> 9.4 ms against
-SDPA's fused kernel). Where the kernels cannot be built (no C compiler, or
+SDPA's fused kernel), with its products in bf16 where the cache is bf16 and the CPU has AVX512-BF16. Where the kernels cannot be built (no C compiler, or
 `TANDEM_CPU_KERNELS=0`), or in bf16, the runner instead precomputes, once per
 step, each decode sequence's cache slots and validity mask (`CpuDecodeIndex`); every layer
 then gathers its K/V rows with one `index_select` into a buffer allocated once per step and
@@ -156,7 +156,7 @@ def paged_attention(
         else:
             keys = k_cache[p.block_table].flatten(0, 1)[: p.context_len].to(q.dtype)  # [ctx, Hkv, D]
             values = v_cache[p.block_table].flatten(0, 1)[: p.context_len].to(q.dtype)  # (a bf16 cache: fp32)
-        out[rows] = _causal_attention(q[rows], keys, values, scale, ops)
+        out[rows] = _causal_attention(q[rows], keys, values, scale, ops, k_cache.dtype)
     return out
 
 
@@ -197,12 +197,13 @@ def _verify(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                      ops: KernelOps | None = None) -> torch.Tensor:
-    """q [n, Hq, D] are the last n of the ctx positions in k/v [ctx, Hkv, D]."""
+                      ops: KernelOps | None = None, kv_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """q [n, Hq, D] are the last n of the ctx positions in k/v [ctx, Hkv, D]; `kv_dtype`: the
+    cache's (bf16: the C kernel may multiply in bf16, as the values already are)."""
     # The C kernel (kernels/cpu_paged_attention.py) is one thread: with more, SDPA spreads out.
     if (ops is not None and ops.prefill_attention is not None and q.shape[-1] % 64 == 0
             and torch.get_num_threads() == 1):
-        return ops.prefill_attention(q, k, v, scale)
+        return ops.prefill_attention(q, k, v, scale, kv_dtype or q.dtype)
     n, ctx = q.shape[0], k.shape[0]
     # [1, H, n|ctx, D]: with a batch dimension torch's CPU SDPA takes its fused flash kernel;
     # 3-D inputs take the unfused math path, which at 1,024 tokens costs ~4x as much (79 vs

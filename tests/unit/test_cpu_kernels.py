@@ -103,6 +103,22 @@ def test_cpu_prefill_kernel_matches_dense_causal_attention(n, ctx, q_heads, kv_h
                                atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("n,ctx", [(512, 512), (488, 1000), (37, 37), (1, 1), (70, 129)])
+def test_cpu_prefill_kernel_in_bf16_products_is_dense_attention_within_bf16_rounding(n, ctx):
+    """A bf16 engine's prefill: K/V already bf16 values, Q and the probabilities rounded to bf16
+    for the products (on a CPU without AVX512-BF16, the fp32 kernel: closer still)."""
+    gen = torch.Generator().manual_seed(n + ctx)
+    q = torch.randn(n, 9, 64, generator=gen)
+    k, v = (torch.randn(ctx, 3, 64, generator=gen).bfloat16().float() for _ in range(2))
+    want = _dense_causal(q, k, v, 0.125)
+    got = cpu_prefill_attention(q, k, v, 0.125, torch.bfloat16)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    assert (got - want).abs().mean() < 2e-3  # the rounding of two bf16 operands, not an error in the sums
+    d128 = torch.randn(4, 2, 128, generator=gen)  # D 128: the fp32 kernel
+    assert torch.equal(cpu_prefill_attention(d128, d128, d128, 0.1, torch.bfloat16),
+                       cpu_prefill_attention(d128, d128, d128, 0.1))
+
+
 def test_cpu_prefill_kernel_reads_strided_rows_of_a_fused_projection():
     """The model hands it q/k/v as views into one [T, Hq + 2 Hkv, D] qkv tensor."""
     gen = torch.Generator().manual_seed(3)

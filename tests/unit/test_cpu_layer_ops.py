@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from cluster.models.rope import RotaryEmbedding
 from kernels import ref_store_kv
-from kernels.cpu_layer_ops import cpu_add_rms_norm, cpu_rope_, cpu_store_kv
+from kernels.cpu_layer_ops import cpu_add_rms_norm, cpu_rope_, cpu_silu_mul, cpu_store_kv
 
 
 @pytest.mark.parametrize("rows,hidden", [(1, 576), (7, 576), (3, 40)])
@@ -23,6 +23,36 @@ def test_add_rms_norm_matches_torch_and_updates_the_residual(rows, hidden, with_
     assert got_x is x  # the running residual is updated in place
     torch.testing.assert_close(x, residual)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("delta_dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_takes_a_bf16_projections_output_and_gives_its_next_input(delta_dtype):
+    """A bf16 engine: the delta comes out of a bf16 projection, the norm goes into one. Both
+    as torch's casts around the fp32 ops: the residual exact, the norm rounded once."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 576, generator=gen)
+    delta = torch.randn(9, 576, generator=gen).to(delta_dtype)
+    w = torch.rand(576, generator=gen)
+    residual = x + delta.float()
+    want = F.rms_norm(residual, (576,), w, 1e-5)
+    _, got = cpu_add_rms_norm(x, delta, w, 1e-5, torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(x, residual)
+    torch.testing.assert_close(got.float(), want, atol=0, rtol=2 ** -8)  # within one bf16 rounding
+
+
+def test_silu_mul_is_torchs_silu_times_up_rounded_once_to_bf16():
+    gen = torch.Generator().manual_seed(4)
+    gate_up = (torch.randn(33, 2 * 1536, generator=gen) * 4).to(torch.bfloat16)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    want = (F.silu(gate) * up).to(torch.bfloat16)
+    got = cpu_silu_mul(gate_up)
+    assert got.dtype == torch.bfloat16 and got.shape == (33, 1536)
+    # the same rounding but for the rare value within an fp32 ulp of a bf16 tie (exp differs by an ulp)
+    assert (got != want).float().mean() < 1e-3
+    torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2 ** -7)
+    with pytest.raises(TypeError, match="bfloat16"):
+        cpu_silu_mul(gate_up.float())
 
 
 def test_add_rms_norm_refuses_what_it_cannot_update_in_place():
