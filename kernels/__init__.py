@@ -11,7 +11,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from kernels import cpu_paged_attention
-from kernels.cpu_layer_ops import cpu_add_rms_norm, cpu_rope_, cpu_silu_mul, cpu_store_kv
+from kernels.cpu_layer_ops import cpu_add_rms_norm, cpu_decode_attention, cpu_rope_, cpu_silu_mul, cpu_store_kv
 from kernels.cpu_paged_attention import cpu_paged_decode_attention, cpu_prefill_attention
 from kernels.pack_kv import pack_kv, unpack_kv
 from kernels.paged_attention import paged_decode_attention
@@ -23,7 +23,7 @@ __all__ = [
     "KernelOps", "ops_for",
     "store_kv", "paged_decode_attention", "pack_kv", "unpack_kv",
     "cpu_paged_decode_attention", "cpu_prefill_attention", "cpu_add_rms_norm", "cpu_rope_", "cpu_silu_mul",
-    "cpu_store_kv",
+    "cpu_store_kv", "cpu_decode_attention",
     "ref_store_kv", "ref_paged_decode_attention", "ref_pack_kv", "ref_unpack_kv",
 ]
 
@@ -46,6 +46,10 @@ class KernelOps(NamedTuple):
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     # silu(gate) * up of a bfloat16 [T, 2I] gate/up output → bfloat16 [T, I]; None: torch's ops
     silu_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # a decode-only step's attention in one call, from the qkv output to the o input: (qkv, cos,
+    # sin, k_cache, v_cache, slot_mapping, block_tables, context_lens, num_heads, scale) →
+    # [B, Hq * D] in qkv's dtype; None: rope_, store_kv and paged_decode_attention one by one
+    decode_attention: Callable[..., torch.Tensor] | None = None
     # rotary embedding in place, (x [T, heads, D], cos, sin) → x; None: RotaryEmbedding.apply's copy
     rope_: Callable[..., torch.Tensor] | None = None
     # store_kv and paged_decode_attention also take bfloat16 caches beside float32 activations
@@ -58,7 +62,7 @@ REFERENCE_OPS = KernelOps(ref_store_kv, ref_paged_decode_attention, ref_pack_kv,
 CPU_OPS = REFERENCE_OPS._replace(store_kv=cpu_store_kv, paged_decode_attention=cpu_paged_decode_attention,
                                  decode_in_place=True, prefill_attention=cpu_prefill_attention,
                                  add_rms_norm=cpu_add_rms_norm, rope_=cpu_rope_, bf16_kv=True,
-                                 silu_mul=cpu_silu_mul)
+                                 silu_mul=cpu_silu_mul, decode_attention=cpu_decode_attention)
 
 
 def ops_for(device: torch.device, dtype: torch.dtype = torch.float32) -> KernelOps:

@@ -134,3 +134,54 @@ int64_t tandem_store_kv_bf16kv(const float *k, int64_t k_stride, const float *v,
                                int64_t num_slots) {
     return store_kv(k, k_stride, v, v_stride, (char *)k_cache, (char *)v_cache, slots, T, row, num_slots, 1);
 }
+
+/* cpu_paged_attention.c, built into the same library */
+int64_t tandem_paged_decode_f32(const float *q, float *out, const float *k_cache, const float *v_cache,
+                                const int32_t *block_tables, int64_t table_width, const int32_t *context_lens,
+                                int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                int64_t block_size, float scale, float *scores);
+int64_t tandem_paged_decode_bf16kv(const float *q, float *out, const uint16_t *k_cache, const uint16_t *v_cache,
+                                   const int32_t *block_tables, int64_t table_width, const int32_t *context_lens,
+                                   int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                   int64_t block_size, float scale, float *scores);
+
+/* The attention half of a decode-only step, from the qkv projection's output to the o
+ * projection's input, in one call: B rows of qkv [(Hq + 2 Hkv) * D] (bf16 bits when qkv_bf16,
+ * else float32; `qkv_stride` elements apart) are split into fp32 q, k, v (work), q and k rotated
+ * (cos/sin [B, D/2]), k and v scattered into cache slots[b] (float32 caches, or bf16 when
+ * kv_bf16), then each row's q attends over its sequence's cached context (the paged decode
+ * kernel) into out [B, Hq * D] (bf16 bits when out_bf16, else float32).
+ * work: floats for B * (Hq + 2 Hkv) * D + B * Hq * D + Hq * width * block_size.
+ * Returns 0; -1 when a slot is at or past num_slots (nothing attended); else the decode kernel's
+ * count of context lengths outside [1, width * block_size]. */
+int64_t tandem_decode_attention(const void *qkv, int64_t qkv_stride, int64_t qkv_bf16, const float *cos,
+                                const float *sin, void *k_cache, void *v_cache, int64_t kv_bf16, int64_t num_slots,
+                                const int64_t *slots, const int32_t *tables, int64_t width, const int32_t *lens,
+                                int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size, float scale,
+                                float *work, void *out, int64_t out_bf16) {
+    const int64_t nq = Hq * D, nk = Hkv * D, row = nq + 2 * nk;
+    float *q = work, *k = q + B * nq, *v = k + B * nk, *attn = v + B * nk, *scores = attn + B * nq;
+    for (int64_t b = 0; b < B; b++) {
+        float *dst[3] = {q + b * nq, k + b * nk, v + b * nk};
+        const int64_t len[3] = {nq, nk, nk}, off[3] = {0, nq, nq + nk};
+        for (int p = 0; p < 3; p++) {
+            if (qkv_bf16) {
+                const uint16_t *src = (const uint16_t *)qkv + b * qkv_stride + off[p];
+                for (int64_t i = 0; i < len[p]; i++) dst[p][i] = from_bf16(src[i]);
+            } else {
+                memcpy(dst[p], (const float *)qkv + b * qkv_stride + off[p], (size_t)len[p] * sizeof(float));
+            }
+        }
+    }
+    tandem_rope_f32(q, B, Hq, nq, D, cos, sin);
+    tandem_rope_f32(k, B, Hkv, nk, D, cos, sin);
+    if (store_kv(k, nk, v, nk, k_cache, v_cache, slots, B, nk, num_slots, kv_bf16 != 0)) return -1;
+    float *o = out_bf16 ? attn : (float *)out;
+    const int64_t bad = kv_bf16 ? tandem_paged_decode_bf16kv(q, o, k_cache, v_cache, tables, width, lens, B, Hq, Hkv, D,
+                                                             block_size, scale, scores)
+                                : tandem_paged_decode_f32(q, o, k_cache, v_cache, tables, width, lens, B, Hq, Hkv, D,
+                                                          block_size, scale, scores);
+    if (out_bf16)
+        for (int64_t i = 0; i < B * nq; i++) ((uint16_t *)out)[i] = to_bf16(attn[i]);
+    return bad;
+}

@@ -94,6 +94,10 @@ def load() -> ctypes.CDLL | None:
     fn = lib.tandem_silu_mul_bf16
     fn.restype = None
     fn.argtypes = [_PTR, _I64, _PTR, _I64, _I64]
+    fn = lib.tandem_decode_attention
+    fn.restype = _I64
+    fn.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64,
+                   _I64, _F32, _PTR, _PTR, _I64]
     fn = lib.tandem_rope_f32
     fn.restype = None
     fn.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR]

@@ -89,7 +89,13 @@ class LlamaModel:
     def _attention(self, layer: LayerWeights, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                    kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         a = self.arch
-        qkv = layer.qkv(x).to(self.dtype).view(-1, a.num_heads + 2 * a.num_kv_heads, a.head_dim)
+        qkv = layer.qkv(x)
+        if (self.ops.decode_attention is not None and meta.num_decode_tokens == qkv.shape[0] and not meta.prefills
+                and not meta.cpu_verify and meta.cpu_decode is None):  # a decode-only step on the CPU: one call
+            return layer.o(self.ops.decode_attention(qkv, *rope, kv_layer[0], kv_layer[1], meta.slot_mapping,
+                                                     meta.decode_block_tables, meta.decode_context_lens,
+                                                     a.num_heads, self.scale))
+        qkv = qkv.to(self.dtype).view(-1, a.num_heads + 2 * a.num_kv_heads, a.head_dim)
         qk = qkv[:, : a.num_heads + a.num_kv_heads]  # rotated in place where the ops can (qkv is fresh)
         qk = self.ops.rope_(qk, *rope) if self.ops.rope_ is not None else self.rope.apply(qk, *rope)
         q, k = qk[:, : a.num_heads], qk[:, a.num_heads:]

@@ -104,3 +104,36 @@ def test_store_kv_into_bfloat16_caches_rounds_as_torch_does():
     ref_store_kv(key, value, caches[2], caches[3], slots)
     assert torch.equal(caches[0].view(torch.int16), caches[2].view(torch.int16))
     assert torch.equal(caches[1].view(torch.int16), caches[3].view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_in_one_call_is_rope_store_and_paged_decode_one_by_one(dtype):
+    """A decode-only step's attention, as the model calls it for each layer: the same cache
+    contents and the same output as the three calls it replaces (in the dtype qkv comes in)."""
+    from kernels.cpu_layer_ops import cpu_decode_attention
+    from kernels.cpu_paged_attention import cpu_paged_decode_attention
+
+    heads, kv_heads, dim, block_size, blocks = 9, 3, 64, 16, 12
+    gen = torch.Generator().manual_seed(5)
+    lens = torch.tensor([1, 17, 40], dtype=torch.int32)  # a first token, one past a block, a longer one
+    tables = torch.tensor([[0, 0, 0], [3, 5, 0], [7, 2, 9]], dtype=torch.int32)
+    slots = torch.tensor([0 * 16 + 0, 5 * 16 + 0, 9 * 16 + 7])  # each row's new position
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    rope = RotaryEmbedding(dim, 4096, 10000.0, {}, torch.device("cpu"), torch.float32)
+    cos, sin = rope.lookup((lens - 1).long())
+    caches = [torch.randn(blocks, block_size, kv_heads, dim, generator=gen).to(dtype) for _ in range(2)]
+    k_want, v_want = (c.clone() for c in caches)
+
+    x = qkv.float().clone().view(3, heads + 2 * kv_heads, dim)  # rotated in place below
+    qk = cpu_rope_(x[:, : heads + kv_heads], cos, sin)
+    cpu_store_kv(qk[:, heads:], x[:, heads + kv_heads:], k_want, v_want, slots)
+    want = cpu_paged_decode_attention(qk[:, :heads].contiguous(), k_want, v_want, tables, lens, 0.125)
+
+    got = cpu_decode_attention(qkv, cos, sin, caches[0], caches[1], slots, tables, lens, heads, 0.125)
+    assert got.dtype == dtype and got.shape == (3, heads * dim)
+    assert torch.equal(caches[0], k_want) and torch.equal(caches[1], v_want)
+    assert torch.equal(got, want.reshape(3, -1).to(dtype))
+    with pytest.raises(ValueError, match="past the cache"):
+        cpu_decode_attention(qkv, cos, sin, *caches, slots + blocks * block_size, tables, lens, heads, 0.125)
+    with pytest.raises(ValueError, match="context_lens"):
+        cpu_decode_attention(qkv, cos, sin, *caches, slots, tables, lens * 0, heads, 0.125)
