@@ -17,7 +17,9 @@ from cluster.engine.engine import LLMEngine
 from cluster.engine.outputs import CompletionOutput, RequestOutput
 from cluster.sampling_params import SamplingParams
 
-Prompt = Union[str, Sequence[int]]
+# text, token ids, or vLLM's prompt dicts: {"prompt": text} (TextPrompt), {"prompt_token_ids": ids}
+# (TokensPrompt)
+Prompt = Union[str, Sequence[int], dict[str, Any]]
 Conversation = Sequence[dict[str, Any]]
 
 
@@ -52,7 +54,7 @@ class LLM:
         """Yields text deltas of one request as the engine produces them."""
         params = params or SamplingParams()
         rid = self.engine.new_request_id()
-        self.engine.add_request(rid, prompt, params)
+        self.engine.add_request(rid, _one_prompt(prompt), params)
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
@@ -64,7 +66,7 @@ class LLM:
         finally:
             self.engine.abort_request(rid)
 
-    def _run(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[RequestOutput]:
+    def _run(self, prompts: list[str | list[int]], params: list[SamplingParams]) -> list[RequestOutput]:
         engine = self.engine
         children: dict[str, tuple[int, int]] = {}  # child request id → (prompt index, sample index)
         try:
@@ -91,7 +93,7 @@ def _child_params(p: SamplingParams, j: int) -> SamplingParams:
     return dataclasses.replace(p, n=1, seed=seed, prompt_logprobs=p.prompt_logprobs if j == 0 else None)
 
 
-def _merge(prompts: list[Prompt], children: dict[str, tuple[int, int]],
+def _merge(prompts: list[str | list[int]], children: dict[str, tuple[int, int]],
            finals: dict[str, RequestOutput]) -> list[RequestOutput]:
     merged: list[RequestOutput | None] = [None] * len(prompts)
     for rid, (i, j) in sorted(children.items(), key=lambda kv: kv[1]):
@@ -107,13 +109,31 @@ def _merge(prompts: list[Prompt], children: dict[str, tuple[int, int]],
     return [m for m in merged if m is not None]
 
 
-def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
+def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]:
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one list of token ids
-    return prompts
+    return [_one_prompt(p) for p in prompts]
+
+
+def _one_prompt(prompt: Prompt) -> str | list[int]:
+    """Text or token ids; vLLM's prompt dicts unwrapped, any other key refused by name."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, dict):
+        if set(prompt) == {"prompt_token_ids"}:
+            return _one_prompt(prompt["prompt_token_ids"])
+        if set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
+            return prompt["prompt"]
+        raise ValueError("a prompt dict holds 'prompt' (text) or 'prompt_token_ids' (a list of ints) and nothing "
+                         f"else here, got keys {sorted(prompt)}")
+    ids = list(prompt)
+    if not all(isinstance(t, int) for t in ids):
+        raise TypeError(f"a prompt is text, a list of token ids (ints) or a prompt dict, got a sequence of "
+                        f"{sorted({type(t).__name__ for t in ids})}")
+    return ids
 
 
 def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:

@@ -414,4 +414,20 @@ def test_bad_requests_are_refused_with_clear_errors(tiny_model_paths):
         llm.generate([[49152]], SamplingParams())
     with pytest.raises(TypeError, match="unknown engine argument 'max_num_seq'"):
         LLM(str(tiny_model_paths["llama"]), max_num_seq=4)
+    with pytest.raises(ValueError, match="'prompt_token_ids'.*got keys \\['multi_modal_data', 'prompt'\\]"):
+        llm.generate({"prompt": "hi", "multi_modal_data": {}}, SamplingParams())
+    with pytest.raises(TypeError, match="token ids"):
+        llm.generate([["a", "b"]], SamplingParams())
     assert llm.engine.stats()["blocks_in_use"] == 0
+
+
+def test_vllms_prompt_dicts_give_what_text_and_token_ids_give(tiny_model_paths):
+    """`{"prompt": text}` and `{"prompt_token_ids": ids}`, vLLM's TextPrompt and TokensPrompt."""
+    llm = LLM(str(tiny_model_paths["llama"]))
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    ids = llm.get_tokenizer().encode("The capital of France is")
+    want = llm.generate(["The capital of France is", ids], greedy)
+    got = llm.generate([{"prompt": "The capital of France is"}, {"prompt_token_ids": ids}], greedy)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert got[0].prompt == "The capital of France is" and got[1].prompt_token_ids == ids
+    assert llm.generate({"prompt_token_ids": ids}, greedy)[0].outputs[0].token_ids == want[1].outputs[0].token_ids
