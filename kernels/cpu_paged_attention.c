@@ -258,6 +258,36 @@ typedef float v16 __attribute__((vector_size(64), aligned(4), may_alias));
 #define PIN4(x) ((void)0)
 #endif
 
+/* Query row r's scores for one key tile (sr[KT]; keys t < seen are visible) become probabilities
+ * against its running max m[r], its running sum l[r] is updated and its accumulator acc[D]
+ * rescaled: the online softmax step both prefill kernels take. */
+static inline __attribute__((always_inline)) void online_softmax_row(float *sr, int64_t seen, float *m, float *l,
+                                                                     float *acc, int64_t D) {
+    float mt = *m;
+    for (int64_t t = 0; t < KT; t++) {
+        sr[t] = t < seen ? sr[t] : MASKED;
+        mt = sr[t] > mt ? sr[t] : mt;
+    }
+    const float alpha = expf(*m - mt);
+    float sum = 0.f;
+    for (int64_t t = 0; t < KT; t++) { sr[t] = expf(sr[t] - mt); sum += sr[t]; }
+    *l = *l * alpha + sum;
+    *m = mt;
+    for (int64_t d = 0; d < D; d++) acc[d] *= alpha;
+}
+
+/* A query tile's `rows` accumulators (query i0 + r / group, head hk * group + r % group) divided
+ * by their sums into out. */
+static inline __attribute__((always_inline)) void finish_rows(float *out, int64_t out_stride, int64_t i0, int64_t rows,
+                                                              int64_t group, int64_t hk, int64_t D, const float *acc,
+                                                              const float *l) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *dst = out + (i0 + r / group) * out_stride + (hk * group + r % group) * D;
+        const float inv = 1.f / l[r];
+        for (int64_t d = 0; d < D; d++) dst[d] = acc[r * D + d] * inv;
+    }
+}
+
 static inline __attribute__((always_inline)) void prefill_head(
         const float *q, int64_t q_stride, const float *k, const float *v, int64_t kv_stride, float *out,
         int64_t out_stride, int64_t n, int64_t ctx, int64_t hk, int64_t group, const int64_t D, float scale,
@@ -307,17 +337,7 @@ static inline __attribute__((always_inline)) void prefill_head(
                     const int64_t visible = first + rr / group + 1 - t0; /* keys t < visible are seen */
                     const int64_t seen = visible < tn ? visible : tn;
                     upto = seen > upto ? seen : upto;
-                    float mt = m[r];
-                    for (int64_t t = 0; t < KT; t++) {
-                        sr[t] = t < seen ? sr[t] : MASKED;
-                        mt = sr[t] > mt ? sr[t] : mt;
-                    }
-                    const float alpha = expf(m[r] - mt);
-                    float sum = 0.f;
-                    for (int64_t t = 0; t < KT; t++) { sr[t] = expf(sr[t] - mt); sum += sr[t]; }
-                    l[r] = l[r] * alpha + sum;
-                    m[r] = mt;
-                    for (int64_t d = 0; d < D; d++) acc[r * D + d] *= alpha;
+                    online_softmax_row(sr, seen, m + r, l + r, acc + r * D, D);
                 }
                 for (int64_t c = 0; c < dv; c += 4) { /* four vectors of D at a time: 16 accumulators */
                     const int64_t cn = 4;
@@ -339,11 +359,7 @@ static inline __attribute__((always_inline)) void prefill_head(
                 }
             }
         }
-        for (int64_t r = 0; r < rows; r++) {
-            float *dst = out + (i0 + r / group) * out_stride + (hk * group + r % group) * D;
-            const float inv = 1.f / l[r];
-            for (int64_t d = 0; d < D; d++) dst[d] = acc[r * D + d] * inv;
-        }
+        finish_rows(out, out_stride, i0, rows, group, hk, D, acc, l);
     }
 }
 
@@ -448,17 +464,7 @@ static void prefill_head_bf16(const float *q, int64_t q_stride, const float *k, 
                     const int64_t visible = first + rr / group + 1 - t0; /* keys t < visible are seen */
                     const int64_t seen = visible < tn ? visible : tn;
                     upto = seen > upto ? seen : upto;
-                    float mt = m[r];
-                    for (int64_t t = 0; t < KT; t++) {
-                        sr[t] = t < seen ? sr[t] : MASKED;
-                        mt = sr[t] > mt ? sr[t] : mt;
-                    }
-                    const float alpha = expf(m[r] - mt);
-                    float sum = 0.f;
-                    for (int64_t t = 0; t < KT; t++) { sr[t] = expf(sr[t] - mt); sum += sr[t]; }
-                    l[r] = l[r] * alpha + sum;
-                    m[r] = mt;
-                    for (int64_t d = 0; d < D; d++) acc[r * D + d] *= alpha;
+                    online_softmax_row(sr, seen, m + r, l + r, acc + r * D, D);
                     _mm512_store_si512(pp[a], pairs32(sr));
                     _mm512_store_si512(pp[a] + 16, pairs32(sr + 32));
                 }
@@ -478,11 +484,7 @@ static void prefill_head_bf16(const float *q, int64_t q_stride, const float *k, 
                     for (int64_t j = 0; j < D / 16; j++) _mm512_storeu_ps(acc + (r0 + a) * D + 16 * j, o[a][j]);
             }
         }
-        for (int64_t r = 0; r < rows; r++) {
-            float *dst = out + (i0 + r / group) * out_stride + (hk * group + r % group) * D;
-            const float inv = 1.f / l[r];
-            for (int64_t d = 0; d < D; d++) dst[d] = acc[r * D + d] * inv;
-        }
+        finish_rows(out, out_stride, i0, rows, group, hk, D, acc, l);
     }
 }
 #endif
