@@ -9,10 +9,12 @@ import concurrent.futures
 import json
 import os
 import re
+import resource
 from pathlib import Path
 
 import pytest
 
+from cluster.cpu_binding import PREFILL_NICE
 from serving import (APP, apply_config, args_of, client, deploy, hand_off_config, replica_stats, running_replicas,
                      scrape, settled, total, wait_for)
 
@@ -181,7 +183,9 @@ def test_32_concurrent_streams_then_no_blocks_in_use(disaggregated):
 
 def test_the_decode_replica_runs_on_a_core_of_its_own_and_the_prefill_replica_beside_it(disaggregated):
     """cpu_binding, on by default: every thread of the decode replica is on one core no other
-    replica of ours runs on (what `taskset -p` shows); the prefill replica's on the rest."""
+    replica of ours runs on (what `taskset -p` shows); the prefill replica's on the rest, at a
+    raised priority where this user may raise one (what `ps -L -o nice` shows), the decode
+    replica's at the default."""
     cores = sorted(os.sched_getaffinity(0))  # this test process is unpinned: the node's cores
     stats: dict = {}
 
@@ -194,10 +198,20 @@ def test_the_decode_replica_runs_on_a_core_of_its_own_and_the_prefill_replica_be
     decode, prefill = stats["decode"]["cpus"], stats["prefill"]["cpus"]
     assert decode["mode"] == "own" and len(decode["cores"]) == 1 and decode["cores"][0] in cores
     assert prefill["mode"] == "shared" and prefill["cores"] == ([c for c in cores if c not in decode["cores"]] or cores)
-    for s, want in ((stats["decode"], decode["cores"]), (stats["prefill"], prefill["cores"])):
+    may_raise = os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20 - PREFILL_NICE
+    nices = {}
+    for s, want in ((stats["decode"], decode), (stats["prefill"], prefill)):
         for task in Path(f"/proc/{s['pid']}/task").iterdir():
             allowed = re.search(r"Cpus_allowed_list:\s*(\S+)", (task / "status").read_text()).group(1)
-            assert cpu_list(allowed) == want, (s["pool"], task.name, allowed)
+            assert cpu_list(allowed) == want["cores"], (s["pool"], task.name, allowed)
+            nice = int((task / "stat").read_text().rsplit(")", 1)[1].split()[16])  # field 19: nice
+            nices.setdefault(s["pool"], set()).add(nice)
+    # Ray runs a worker's Python threads at nice 15 (RAY_worker_niceness), its gRPC threads at 0
+    assert min(nices["decode"]) >= 0 and decode["nice"] == max(nices["decode"])
+    if may_raise:
+        assert nices["prefill"] == {PREFILL_NICE} and prefill["nice"] == PREFILL_NICE
+    else:
+        assert min(nices["prefill"]) >= 0 and prefill["nice"] == max(nices["prefill"])
 
 
 def cpu_list(text: str) -> list[int]:

@@ -1,6 +1,7 @@
 """CPU binding (cluster/cpu_binding.py), across real processes: a decode replica claims a core of
 its own and every thread of it runs there, a second one takes the next core, the others run on
-what is left, and a replica that dies gives its core back."""
+what is left, and a replica that dies gives its core back; a prefill replica's threads run at a
+raised priority where the OS allows it."""
 
 from __future__ import annotations
 
@@ -106,6 +107,52 @@ def test_no_free_core_leaves_a_decode_replica_unpinned(tmp_path):
             owner.stop()
 
 
+PRIORITY_CHILD = """
+import json, os, sys, threading
+from cluster import cpu_binding
+
+early = threading.Thread(target=threading.Event().wait, daemon=True)  # started before
+early.start()
+got = cpu_binding.raise_priority(int(sys.argv[1]))
+late = threading.Thread(target=threading.Event().wait, daemon=True)  # started after: inherits it
+late.start()
+nice = {t: os.getpriority(os.PRIO_PROCESS, t) for t in (threading.get_native_id(), early.native_id, late.native_id)}
+print(json.dumps({"got": got, "threads": sorted(nice.values())}))
+"""
+
+
+def priority_child(nice: int, *, preexec=None) -> dict:
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", PRIORITY_CHILD, str(nice)], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(repo)}, preexec_fn=preexec, timeout=60, check=True)
+    return json.loads(out.stdout)
+
+
+def test_a_prefill_replica_runs_every_thread_at_its_raised_priority_or_stays_as_it_was_when_refused():
+    """Raising a priority needs root, CAP_SYS_NICE or an RLIMIT_NICE that allows it; lowering one
+    never does. A process refused (not root, RLIMIT_NICE 0: nice values below its own are out of
+    reach) keeps the nice it had, in every thread."""
+    import resource
+
+    allowed = os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20 - cpu_binding.PREFILL_NICE
+    if allowed:
+        assert priority_child(cpu_binding.PREFILL_NICE) == {"got": cpu_binding.PREFILL_NICE,
+                                                             "threads": [cpu_binding.PREFILL_NICE] * 3}
+    assert priority_child(7) == {"got": 7, "threads": [7, 7, 7]}  # lowering: always allowed
+
+    def unprivileged() -> None:  # what a replica without CAP_SYS_NICE meets
+        os.nice(2)
+        resource.setrlimit(resource.RLIMIT_NICE, (0, 0))
+        if os.geteuid() == 0:  # root keeps what it may do across exec, but what its bounding set holds
+            import ctypes
+
+            PR_CAPBSET_DROP, CAP_SYS_NICE = 24, 23
+            if ctypes.CDLL(None, use_errno=True).prctl(PR_CAPBSET_DROP, CAP_SYS_NICE, 0, 0, 0) != 0:
+                raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP, CAP_SYS_NICE)")
+
+    assert priority_child(cpu_binding.PREFILL_NICE, preexec=unprivileged) == {"got": 2, "threads": [2, 2, 2]}
+
+
 @pytest.mark.parametrize("value", ["yes", 1, None])
 def test_cpu_binding_arg_must_be_a_bool(value):
     from cluster.config import AppConfig
@@ -116,11 +163,15 @@ def test_cpu_binding_arg_must_be_a_bool(value):
 
 def test_nothing_is_pinned_when_off_or_under_a_cpu_quota_smaller_than_the_cores_seen(monkeypatch):
     before = os.sched_getaffinity(0)
-    assert cpu_binding.bind("decode", enabled=False).describe() == {"mode": "none", "cores": []}
+    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    unbound = {"mode": "none", "cores": [], "nice": nice}
+    assert cpu_binding.bind("decode", enabled=False).describe() == unbound
+    assert cpu_binding.bind("prefill", enabled=False).describe() == unbound
     monkeypatch.setattr(cpu_binding, "cpu_quota", lambda: len(before) - 0.5)  # a pod in a shared pool
-    assert cpu_binding.bind("decode", enabled=True).describe() == {"mode": "none", "cores": []}
-    assert cpu_binding.bind("router", enabled=True).describe() == {"mode": "none", "cores": []}
-    assert os.sched_getaffinity(0) == before
+    assert cpu_binding.bind("decode", enabled=True).describe() == unbound
+    assert cpu_binding.bind("router", enabled=True).describe() == unbound
+    assert cpu_binding.bind("prefill", enabled=True).describe() == unbound
+    assert os.sched_getaffinity(0) == before and os.getpriority(os.PRIO_PROCESS, 0) == nice
 
 
 def test_a_lock_folder_others_may_write_is_not_used(tmp_path):
@@ -130,7 +181,7 @@ def test_a_lock_folder_others_may_write_is_not_used(tmp_path):
     planted.mkdir()
     planted.chmod(0o777)
     before = os.sched_getaffinity(0)
-    assert cpu_binding.claim_own(1, planted).describe() == {"mode": "none", "cores": []}
+    assert cpu_binding.claim_own(1, planted).describe() == {"mode": "none", "cores": [], "nice": os.getpriority(os.PRIO_PROCESS, 0)}
     assert os.sched_getaffinity(0) == before and not list(planted.iterdir())
     victim = tmp_path / "victim"
     victim.write_text("keep me")
