@@ -315,8 +315,8 @@ class AppConfig:
     stream carrying every step's new tokens of all its requests there (decode/channels.py,
     router/mux.py), not one stream message per token per request; false: one stream per request.
     cpu_binding: on CPU, each decode replica runs on cores of its own on its node, and prefill
-    replicas and routers on the cores no decode replica holds (cluster/cpu_binding.py); false:
-    the OS places every thread.
+    replicas and routers on the cores no decode replica holds, at a raised priority where the OS
+    allows it (cluster/cpu_binding.py); false: the OS places every thread.
     """
 
     mode: str = "disaggregated"

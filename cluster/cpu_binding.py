@@ -5,9 +5,10 @@
     prefill replica, router pin themselves to the node's cores that no decode replica holds,
                             re-read every few seconds as replicas come and go (all of the
                             process's cores when every one is held)
-    prefill replica         also runs its threads at nice PREFILL_NICE, where the process may
+    prefill replica, router also run their threads at nice SHARED_NICE, where the process may
                             raise its priority (root, CAP_SYS_NICE, or an RLIMIT_NICE that
-                            allows it); elsewhere at the priority it started with
+                            allows it); elsewhere at the one Ray gave them (a worker's Python
+                            threads: nice 15, RAY_worker_niceness)
 
 A decode replica's step is what every stream waits on: on its own core it is not preempted by
 the HTTP path or a prefill, and its working set stays in that core's caches. On the 2-core host
@@ -15,14 +16,17 @@ of docs/performance.md, 16 streams through configs/serve.yaml went from 325 / 34
 nothing pinned to 344 / 369 with this binding (the same run, alternating). vLLM-CPU binds its
 OpenMP threads to cores for the same reason (VLLM_CPU_OMP_THREADS_BIND).
 
-A prefill replica's core is the one that idles between prompts, so the processes nobody pins
-(Serve's proxy and controller, Ray's GCS, a load generator) settle there, and the routers share
-it by design: on the 2-core host, during a ShareGPT replay at 1 req/s, they took ~28% of that
-core, and the two 512-token steps of a 1,024-token prompt, 1.5 s of the engine thread's CPU,
-took 1.75-2.05 s of wall time on the pool (1.57-1.75 s at nice -5; docs/performance.md). At a higher priority the prompt runs first on its core,
-and the kernel's load balancer, which weighs a core's load by its threads' priorities, moves the
+The cores left to prefill replicas and routers are the ones that idle between prompts, so the
+processes nobody pins (Serve's proxy and controller, Ray's GCS, a load generator) settle there:
+on the 2-core host, during a ShareGPT replay at 1 req/s, they took ~28% of the prefill
+replica's core, and the two 512-token steps of a 1,024-token prompt, 1.5 s of the engine
+thread's CPU, took 1.75-2.05 s of wall time (docs/performance.md). At a higher priority than
+theirs, a prompt runs first on its core, the router beside it still gets its turn at once, and
+the kernel's load balancer, which weighs a core's load by its threads' priorities, moves the
 unpinned processes to the decode replica's core, whose steps have room to spare (an ITL of ~30
-ms against the 150 ms SLO). Decode replicas keep the default priority.
+ms against the 150 ms SLO). Decode replicas keep Ray's priority. With the prefill replica alone
+raised, the router pinned beside it waited behind each long prompt: the mixed load's ITL p99
+went from 139 to 348 ms.
 
 A claim is an exclusive fcntl lock on one file per core in a per-user directory under the node's
 temp folder: the kernel drops a process's locks when it dies, so a replica that goes away gives
@@ -49,7 +53,7 @@ from typing import IO, Any
 
 log = logging.getLogger(__name__)
 
-PREFILL_NICE = -5  # a prefill replica's threads: ~3x the CPU weight of a default-priority thread
+SHARED_NICE = -5  # prefill replicas' and routers' threads: ~3x a nice-0 thread's CPU weight, ~87x nice 15
 REFRESH_S = 5.0  # how often a shared binding re-reads which cores the decode replicas hold
 _CLAIM_TRIES = 3  # a core's lock may be probed by a shared binding for a moment: try it again
 
@@ -94,23 +98,43 @@ def allowed_cores() -> set[int]:
     return set(os.sched_getaffinity(0)) if supported() else set(range(os.cpu_count() or 1))
 
 
-def raise_priority(nice: int) -> int:
+def thread_nices() -> dict[int, int]:
+    """Each thread of this process: its nice value."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            out[int(tid)] = os.getpriority(os.PRIO_PROCESS, int(tid))
+        except OSError:  # the thread exited meanwhile
+            pass
+    return out
+
+
+def raise_priority(nice: int) -> dict[int, int] | None:
     """Run every thread of this process at `nice` (threads started later inherit their
-    starter's); returns the nice value it runs at: `nice`, or the one it had when the OS does not
-    let it raise its priority (it is then left as it was)."""
-    before = os.getpriority(os.PRIO_PROCESS, 0)
+    starter's); returns each thread's nice value before, for restore_priority, or None when the
+    OS does not let this process raise its priority (it is then left as it was)."""
+    before = thread_nices()
     try:
         os.setpriority(os.PRIO_PROCESS, 0, nice)  # this thread first: refused here, refused for all
     except PermissionError:
         log.info("cpu binding: may not raise this process's priority to nice %d (needs root, CAP_SYS_NICE or "
-                 "RLIMIT_NICE); it stays at %d", nice, before)
-        return before
-    for tid in os.listdir("/proc/self/task"):
+                 "RLIMIT_NICE); it stays as Ray started it", nice)
+        return None
+    for tid in before:
         try:
-            os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
         except OSError:  # the thread exited meanwhile
             pass
-    return nice
+    return before
+
+
+def restore_priority(before: dict[int, int], default: int) -> None:
+    """Every thread back to its nice value in `before`; those started since to `default`."""
+    for tid in thread_nices():
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, before.get(tid, default))
+        except OSError:
+            pass
 
 
 def pin_process(cores: set[int]) -> None:
@@ -192,13 +216,19 @@ def claimed_cores(cores: set[int], directory: Path | None = None) -> set[int]:
 
 class SharedBinding:
     """Pins this process to the cores no decode replica holds, and keeps doing so every
-    `refresh_s` from a daemon thread (a decode replica that starts or dies later moves it)."""
+    `refresh_s` from a daemon thread (a decode replica that starts or dies later moves it).
+    With `nice`, its threads run at that priority while a decode replica holds a core and some
+    core is left to them (where the OS allows it: raise_priority), at their own otherwise (on a
+    GPU node, or when decode replicas hold every core and this process runs on theirs)."""
 
-    def __init__(self, directory: Path | None = None, refresh_s: float = REFRESH_S) -> None:
+    def __init__(self, directory: Path | None = None, refresh_s: float = REFRESH_S, nice: int | None = None) -> None:
         self.directory = directory or lock_dir()
         self.refresh_s = refresh_s
         self.all = allowed_cores()  # what it may run on before pinning (its own affinity changes)
         self.cores: tuple[int, ...] = tuple(sorted(self.all))  # unpinned: what it starts on
+        self.nice, self.own_nice = nice, os.getpriority(os.PRIO_PROCESS, 0)
+        self.raised: dict[int, int] | None = None  # while raised: each thread's nice before
+        self.refused = False  # the OS would not raise it: not asked again
         self.refresh()
         self._thread = threading.Thread(target=self._run, name="tandem-cpu-binding", daemon=True)
         self._thread.start()
@@ -207,11 +237,21 @@ class SharedBinding:
         return {"mode": "shared", "cores": list(self.cores), "nice": os.getpriority(os.PRIO_PROCESS, 0)}
 
     def refresh(self) -> None:
-        free = (self.all - claimed_cores(self.all, self.directory)) or self.all
+        held = claimed_cores(self.all, self.directory)
+        free = (self.all - held) or self.all
         cores = tuple(sorted(free))
         if cores != self.cores:  # threads started since the last pinning inherit it
             pin_process(free)
             self.cores = cores
+        if self.nice is None or self.refused:
+            return
+        if held and self.all - held:  # cores of its own beside a decode replica's
+            if self.raised is None:
+                self.raised = raise_priority(self.nice)
+                self.refused = self.raised is None
+        elif self.raised is not None:  # running anywhere, decode replicas' cores too: as Ray started it
+            restore_priority(self.raised, self.own_nice)
+            self.raised = None
 
     def _run(self) -> None:
         while True:
@@ -239,8 +279,8 @@ def cpu_quota() -> float | None:
 
 def bind(role: str, enabled: bool, threads: int = 1) -> CpuBinding | SharedBinding:
     """A replica's binding: "decode" claims `threads` cores of its own, any other role shares
-    the rest, "prefill" at a raised priority (PREFILL_NICE). Nothing is pinned when not `enabled`, not on Linux, or in a container whose CPU
-    quota is less than the cores it sees (a Kubernetes pod in the node's shared pool: the other
+    the rest, at a raised priority (SHARED_NICE). Nothing is pinned when not `enabled`, not on
+    Linux, or in a container whose CPU quota is less than the cores it sees (a Kubernetes pod in the node's shared pool: the other
     pods run on those cores too, and their claims are out of sight)."""
     if not enabled or not supported():
         return CpuBinding("none", ())
@@ -250,6 +290,4 @@ def bind(role: str, enabled: bool, threads: int = 1) -> CpuBinding | SharedBindi
         return CpuBinding("none", ())
     if role == "decode":
         return claim_own(threads)
-    if role == "prefill":
-        raise_priority(PREFILL_NICE)
-    return SharedBinding()
+    return SharedBinding(nice=SHARED_NICE)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.cpu_binding import PREFILL_NICE
+from cluster.cpu_binding import SHARED_NICE
 from serving import (APP, apply_config, args_of, client, deploy, hand_off_config, replica_stats, running_replicas,
                      scrape, settled, total, wait_for)
 
@@ -198,7 +198,7 @@ def test_the_decode_replica_runs_on_a_core_of_its_own_and_the_prefill_replica_be
     decode, prefill = stats["decode"]["cpus"], stats["prefill"]["cpus"]
     assert decode["mode"] == "own" and len(decode["cores"]) == 1 and decode["cores"][0] in cores
     assert prefill["mode"] == "shared" and prefill["cores"] == ([c for c in cores if c not in decode["cores"]] or cores)
-    may_raise = os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20 - PREFILL_NICE
+    may_raise = os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20 - SHARED_NICE
     nices = {}
     for s, want in ((stats["decode"], decode), (stats["prefill"], prefill)):
         for task in Path(f"/proc/{s['pid']}/task").iterdir():
@@ -209,7 +209,7 @@ def test_the_decode_replica_runs_on_a_core_of_its_own_and_the_prefill_replica_be
     # Ray runs a worker's Python threads at nice 15 (RAY_worker_niceness), its gRPC threads at 0
     assert min(nices["decode"]) >= 0 and decode["nice"] == max(nices["decode"])
     if may_raise:
-        assert nices["prefill"] == {PREFILL_NICE} and prefill["nice"] == PREFILL_NICE
+        assert nices["prefill"] == {SHARED_NICE} and prefill["nice"] == SHARED_NICE
     else:
         assert min(nices["prefill"]) >= 0 and prefill["nice"] == max(nices["prefill"])
 

@@ -27,10 +27,11 @@ early.start()
 if role == "own":
     binding = cpu_binding.claim_own(1, directory)
 else:
-    binding = cpu_binding.SharedBinding(directory, refresh_s=0.1)
+    binding = cpu_binding.SharedBinding(directory, refresh_s=0.1, nice=cpu_binding.SHARED_NICE)
 for line in sys.stdin:  # each line asks for a report
     print(json.dumps({**binding.describe(), "process": sorted(os.sched_getaffinity(0)),
-                      "early_thread": sorted(os.sched_getaffinity(early.native_id))}), flush=True)
+                      "early_thread": sorted(os.sched_getaffinity(early.native_id)),
+                      "early_nice": os.getpriority(os.PRIO_PROCESS, early.native_id)}), flush=True)
 """
 
 
@@ -74,17 +75,23 @@ def test_decode_replicas_own_cores_the_rest_share_what_is_left_and_a_dead_ones_c
         left = cores[1:] or cores  # nothing left: the shared ones run anywhere
         s = wait_report(shared, left)
         assert s["mode"] == "shared" and s["cores"] == left and s["process"] == s["early_thread"] == left
+        # beside a decode replica, on cores of their own: raised where allowed, every thread
+        raised = cpu_binding.SHARED_NICE if may_raise() and len(cores) > 1 else a["nice"]
+        assert s["nice"] == s["early_nice"] == raised
 
         if len(cores) > 1:  # a second decode replica takes the next core, not the first one's
             second = Child("own", tmp_path)
             children.append(second)
             assert second.report()["cores"] == cores[1:2]
-            assert wait_report(shared, cores)["cores"] == cores  # every core held: run anywhere
+            s = wait_report(shared, cores)  # every core held: run anywhere, decode's cores too,
+            assert s["cores"] == cores and s["nice"] == s["early_nice"] == a["nice"]  # as it started
             second.stop()
+            s = wait_report(shared, left)
+            assert s["nice"] == s["early_nice"] == raised
 
         first.stop()  # its lock goes with it
         s = wait_report(shared, cores)
-        assert s["cores"] == s["process"] == cores
+        assert s["cores"] == s["process"] == cores and s["nice"] == a["nice"]  # no decode replica: as it started
         third = Child("own", tmp_path)
         children.append(third)
         assert third.report()["cores"] == cores[:1]  # the dead replica's core is free to claim again
@@ -113,7 +120,7 @@ from cluster import cpu_binding
 
 early = threading.Thread(target=threading.Event().wait, daemon=True)  # started before
 early.start()
-got = cpu_binding.raise_priority(int(sys.argv[1]))
+got = cpu_binding.raise_priority(int(sys.argv[1])) is not None
 late = threading.Thread(target=threading.Event().wait, daemon=True)  # started after: inherits it
 late.start()
 nice = {t: os.getpriority(os.PRIO_PROCESS, t) for t in (threading.get_native_id(), early.native_id, late.native_id)}
@@ -128,17 +135,21 @@ def priority_child(nice: int, *, preexec=None) -> dict:
     return json.loads(out.stdout)
 
 
-def test_a_prefill_replica_runs_every_thread_at_its_raised_priority_or_stays_as_it_was_when_refused():
+def may_raise() -> bool:
+    """Whether this process (and so a child) may raise its priority to SHARED_NICE."""
+    import resource
+
+    return os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20 - cpu_binding.SHARED_NICE
+
+
+def test_raising_a_priority_takes_every_thread_or_leaves_them_all_when_refused():
     """Raising a priority needs root, CAP_SYS_NICE or an RLIMIT_NICE that allows it; lowering one
     never does. A process refused (not root, RLIMIT_NICE 0: nice values below its own are out of
     reach) keeps the nice it had, in every thread."""
     import resource
-
-    allowed = os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20 - cpu_binding.PREFILL_NICE
-    if allowed:
-        assert priority_child(cpu_binding.PREFILL_NICE) == {"got": cpu_binding.PREFILL_NICE,
-                                                             "threads": [cpu_binding.PREFILL_NICE] * 3}
-    assert priority_child(7) == {"got": 7, "threads": [7, 7, 7]}  # lowering: always allowed
+    if may_raise():
+        assert priority_child(cpu_binding.SHARED_NICE) == {"got": True, "threads": [cpu_binding.SHARED_NICE] * 3}
+    assert priority_child(7) == {"got": True, "threads": [7, 7, 7]}  # lowering: always allowed
 
     def unprivileged() -> None:  # what a replica without CAP_SYS_NICE meets
         os.nice(2)
@@ -150,7 +161,7 @@ def test_a_prefill_replica_runs_every_thread_at_its_raised_priority_or_stays_as_
             if ctypes.CDLL(None, use_errno=True).prctl(PR_CAPBSET_DROP, CAP_SYS_NICE, 0, 0, 0) != 0:
                 raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP, CAP_SYS_NICE)")
 
-    assert priority_child(cpu_binding.PREFILL_NICE, preexec=unprivileged) == {"got": 2, "threads": [2, 2, 2]}
+    assert priority_child(cpu_binding.SHARED_NICE, preexec=unprivileged) == {"got": False, "threads": [2, 2, 2]}
 
 
 @pytest.mark.parametrize("value", ["yes", 1, None])
