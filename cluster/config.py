@@ -276,6 +276,10 @@ class KVTransferConfig:
 
 
 MODES = ("disaggregated", "colocated")
+# Serve's graceful_shutdown_wait_loop_s for the Router and both pools: a replica being stopped
+# checks this often whether its requests have drained (Serve's 2 s made every replica that
+# stopped, drained or not, wait 2 s; graceful_shutdown_timeout_s still bounds the drain)
+SHUTDOWN_POLL_S = 0.25
 
 
 @dataclass(frozen=True)

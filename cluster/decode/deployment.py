@@ -11,7 +11,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from cluster import cpu_binding
-from cluster.config import AppConfig
+from cluster.config import SHUTDOWN_POLL_S, AppConfig
 from cluster.decode.server import PREFILL_POOL_KEYS, DecodeServer
 from cluster.engine.outputs import StreamStart, TokenDelta
 from cluster.pool_replica import PoolReplica, on_cpu, one_torch_thread
@@ -46,7 +46,8 @@ class ServePrefillClient:
         await contextvars.Context().run(self.handle.ack.remote, handoff.request_id, replica_id=handoff.origin)
 
 
-@serve.deployment(name="DecodePool", max_ongoing_requests=64, ray_actor_options={"num_cpus": 1})
+@serve.deployment(name="DecodePool", max_ongoing_requests=64, ray_actor_options={"num_cpus": 1},
+                  graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S)
 class DecodeDeployment(PoolReplica):
     pool = "decode"
 

@@ -8,14 +8,15 @@ from typing import Any, Sequence
 from ray import serve
 
 from cluster import cpu_binding
-from cluster.config import AppConfig
+from cluster.config import SHUTDOWN_POLL_S, AppConfig
 from cluster.kvtransfer.handoff import PrefillHandoff, Receiver
 from cluster.pool_replica import PoolReplica, on_cpu, one_torch_thread
 from cluster.prefill.server import PrefillServer
 from cluster.sampling_params import SamplingParams
 
 
-@serve.deployment(name="PrefillPool", max_ongoing_requests=64, ray_actor_options={"num_cpus": 1})
+@serve.deployment(name="PrefillPool", max_ongoing_requests=64, ray_actor_options={"num_cpus": 1},
+                  graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S)
 class PrefillDeployment(PoolReplica):
     pool = "prefill"
 

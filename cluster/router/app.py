@@ -32,7 +32,7 @@ from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
 from cluster import cpu_binding
-from cluster.config import AppConfig
+from cluster.config import SHUTDOWN_POLL_S, AppConfig
 from cluster.engine.tokenizer import Tokenizer
 from cluster.models.architecture import Architecture
 from cluster.models.default_model import resolve_model_path
@@ -80,7 +80,8 @@ api.add_middleware(HeaderLimits)
 # Everything the Router's routes use is defined above the class: `serve.ingress` freezes a
 # pickled copy of the FastAPI app (its routes bound to these methods, with the module globals
 # that exist at that moment) when the decorator runs; later names are missing in the replica.
-@serve.deployment(name="Router", max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
+@serve.deployment(name="Router", max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0},
+                  graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S)
 @serve.ingress(api)
 class RouterDeployment:
     def __init__(self, config: dict[str, Any], decode: DeploymentHandle) -> None:
