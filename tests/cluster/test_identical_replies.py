@@ -1,5 +1,5 @@
 """The same replies wherever they are made: colocated, disaggregated over each connector,
-configs/serve.yaml as shipped (placement by SLO), and with speculative decoding on (a method per
+configs/serve.yaml as shipped (placement by SLO), with speculative decoding on (a method per
 connector). A local Ray, Ray Serve apps built from configs/, HTTP through the `openai` SDK.
 
 Every app here runs float32 (`auto` is bf16 on a CPU with native bf16): the paths compute the
@@ -72,10 +72,11 @@ def spec_trace(url: str, rid: str) -> dict:
     return json.loads(raw)["traces"][0]
 
 
+NGRAM = {"method": "ngram", "prompt_lookup_min": 1}
 SPECULATING = {  # deployment → (config, its speculative_config): each connector with a method
-    "colocated.yaml, ngram": ("colocated.yaml", {"method": "ngram", "prompt_lookup_min": 1}),
+    "colocated.yaml, ngram": ("colocated.yaml", NGRAM),
     "serve-tcp.yaml, suffix": ("serve-tcp.yaml", {"method": "suffix"}),
-    "serve-shared-store.yaml, ngram": ("serve-shared-store.yaml", {"method": "ngram", "prompt_lookup_min": 1}),
+    # shared_store: configs/serve.yaml as shipped (its connector), with NGRAM, in the test below
     # the default model as its own draft: always drafting (adaptive would see a draft pass costs a step)
     "serve-collective.yaml, draft_model": ("serve-collective.yaml", {"model": None, "adaptive": False}),
 }
@@ -83,29 +84,31 @@ SPECULATING = {  # deployment → (config, its speculative_config): each connect
 
 def test_greedy_identical_colocated_and_every_connector(serve_url, default_model_path):
     """And sampled with a seed: a seed gives the same replies wherever the first token is drawn.
-    Also configs/serve.yaml as shipped, placement by SLO on: the decode replica, knowing both
-    pools' costs, prefills these short prompts itself (sooner than a trip through the pool), the
-    same replies, and the trace shows the decision. Every
+    Also configs/serve.yaml as shipped (its shared_store connector) with ngram speculation, placement
+    by SLO on: the decode replica, knowing both pools' costs, prefills these short prompts itself
+    (sooner than a trip through the pool), the same replies, and the trace shows the decision. Every
     connector runs with speculative decoding on (a method each), and colocated with it too: the
     same replies as colocated without it. The default model as its own draft over the
     collective connector has every greedy draft accepted: its draft KV crossed with the prompt's."""
     outputs, sampled, landed, metrics, decode, shaped, streamed = {}, {}, {}, {}, {}, {}, {}
-    budget = "serve.yaml as shipped, placement by SLO"
+    budget = "serve.yaml as shipped, placement by SLO, ngram"
     for name in ("colocated.yaml", budget, *SPECULATING):
         if name in SPECULATING:
             file, spec = SPECULATING[name]
             spec = {**spec, "model": str(default_model_path)} if "model" in spec else spec
             deploy(in_float32({**args_of(file), "speculative_config": spec}))
+        elif name == budget:
+            deploy(in_float32({**shipped_args("serve.yaml"), "speculative_config": NGRAM}))
         else:
-            deploy(in_float32(shipped_args("serve.yaml") if name == budget else args_of(name)))
+            deploy(in_float32(args_of(name)))
+        speculating = name != "colocated.yaml"
         c = client(serve_url)
         outputs[name] = greedy(c, c.models.list().data[0].id)
         decode[name] = next(s for s in replica_stats(serve_url) if s["pool"] == "decode")
-        if name in SPECULATING or name == "colocated.yaml":
-            shaped[name] = stop_and_schema(c, c.models.list().data[0].id)
+        shaped[name] = stop_and_schema(c, c.models.list().data[0].id)
         if name in ("colocated.yaml", "colocated.yaml, ngram"):  # several tokens in one chunk: the SDK reads it
             streamed[name] = streamed_steps(c, c.models.list().data[0].id)
-        if name in SPECULATING:  # the request's trace counts its drafts; usage counts tokens as without
+        if speculating:  # the request's trace counts its drafts; usage counts tokens as without
             trace = spec_trace(serve_url, f"spec-{len(shaped)}")
             assert trace["spec_draft_tokens"] >= trace["spec_accepted_tokens"] > 0, (name, trace)
             assert trace["completion_tokens"] == 24
@@ -117,7 +120,7 @@ def test_greedy_identical_colocated_and_every_connector(serve_url, default_model
     for name in (budget, *SPECULATING):
         assert outputs[name] == outputs["colocated.yaml"], name
         assert sampled[name] == sampled["colocated.yaml"], name
-        assert name == budget or shaped[name] == shaped["colocated.yaml"], name
+        assert shaped[name] == shaped["colocated.yaml"], name
         if name != budget:
             crossed = 0 if name == "colocated.yaml, ngram" else len(PROMPTS) + 5  # each prompt's KV
             assert landed[name] == crossed, name
@@ -129,10 +132,10 @@ def test_greedy_identical_colocated_and_every_connector(serve_url, default_model
     # the decode replica timed its steps at start; the prompts it kept, it kept by SLO, the rest crossed
     assert total(metrics[budget], "tandem:step_seconds_per_token", pool="decode") > 0
     kept = total(metrics[budget], "tandem:local_prefills_total", pool="decode", reason="slo")
-    assert kept >= 1 and kept + landed[budget] == len(PROMPTS) + 2
+    assert kept >= 1 and kept + landed[budget] == len(PROMPTS) + 5
     assert placed["placement"] == "local" and placed["kv"].startswith("slo: prefilled here"), placed
     assert placed["local_ttft_ms"] < placed["remote_ttft_ms"] and placed["local_itl_ms"] <= 150
-    for name in SPECULATING:  # drafts were verified, and vLLM's metrics say so
+    for name in (budget, *SPECULATING):  # drafts were verified, and vLLM's metrics say so
         assert total(metrics[name], "vllm:spec_decode_num_draft_tokens_total", pool="decode") > 0, name
         assert total(metrics[name], "vllm:spec_decode_num_accepted_tokens_total", pool="decode") > 0, name
         assert total(metrics[name], "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0") > 0, name
