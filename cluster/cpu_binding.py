@@ -18,15 +18,15 @@ OpenMP threads to cores for the same reason (VLLM_CPU_OMP_THREADS_BIND).
 
 The cores left to prefill replicas and routers are the ones that idle between prompts, so the
 processes nobody pins (Serve's proxy and controller, Ray's GCS, a load generator) settle there:
-on the 2-core host, during a ShareGPT replay at 1 req/s, they took ~28% of the prefill
-replica's core, and the two 512-token steps of a 1,024-token prompt, 1.5 s of the engine
+on the 2-core host, during a ShareGPT replay at 1 req/s, they and the router took ~28% of the
+prefill replica's core, and the two 512-token steps of a 1,024-token prompt, 1.5 s of the engine
 thread's CPU, took 1.75-2.05 s of wall time (docs/performance.md). At a higher priority than
 theirs, a prompt runs first on its core, the router beside it still gets its turn at once, and
 the kernel's load balancer, which weighs a core's load by its threads' priorities, moves the
 unpinned processes to the decode replica's core, whose steps have room to spare (an ITL of ~30
 ms against the 150 ms SLO). Decode replicas keep Ray's priority. With the prefill replica alone
-raised, the router pinned beside it waited behind each long prompt: the mixed load's ITL p99
-went from 139 to 348 ms.
+raised, the router pinned beside it waited behind each long prompt (the mixed load's ITL p99
+348 ms, against 117 with both raised).
 
 A claim is an exclusive fcntl lock on one file per core in a per-user directory under the node's
 temp folder: the kernel drops a process's locks when it dies, so a replica that goes away gives
