@@ -49,7 +49,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Callable
 
 log = logging.getLogger(__name__)
 
@@ -98,12 +98,13 @@ def allowed_cores() -> set[int]:
     return set(os.sched_getaffinity(0)) if supported() else set(range(os.cpu_count() or 1))
 
 
-def thread_nices() -> dict[int, int]:
-    """Each thread of this process: its nice value."""
+def each_thread(apply: Callable[[int], Any]) -> dict[int, Any]:
+    """`apply(tid)` for every thread of this process; {tid: its result} for those still there
+    (a thread may exit meanwhile)."""
     out = {}
     for tid in os.listdir("/proc/self/task"):
         try:
-            out[int(tid)] = os.getpriority(os.PRIO_PROCESS, int(tid))
+            out[int(tid)] = apply(int(tid))
         except OSError:  # the thread exited meanwhile
             pass
     return out
@@ -113,38 +114,26 @@ def raise_priority(nice: int) -> dict[int, int] | None:
     """Run every thread of this process at `nice` (threads started later inherit their
     starter's); returns each thread's nice value before, for restore_priority, or None when the
     OS does not let this process raise its priority (it is then left as it was)."""
-    before = thread_nices()
+    before = each_thread(lambda tid: os.getpriority(os.PRIO_PROCESS, tid))
     try:
         os.setpriority(os.PRIO_PROCESS, 0, nice)  # this thread first: refused here, refused for all
     except PermissionError:
         log.info("cpu binding: may not raise this process's priority to nice %d (needs root, CAP_SYS_NICE or "
                  "RLIMIT_NICE); it stays as Ray started it", nice)
         return None
-    for tid in before:
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, nice)
-        except OSError:  # the thread exited meanwhile
-            pass
+    each_thread(lambda tid: os.setpriority(os.PRIO_PROCESS, tid, nice))
     return before
 
 
 def restore_priority(before: dict[int, int], default: int) -> None:
     """Every thread back to its nice value in `before`; those started since to `default`."""
-    for tid in thread_nices():
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, before.get(tid, default))
-        except OSError:
-            pass
+    each_thread(lambda tid: os.setpriority(os.PRIO_PROCESS, tid, before.get(tid, default)))
 
 
 def pin_process(cores: set[int]) -> None:
     """Every thread of this process runs on `cores` from now on (threads it starts later inherit
     their starter's cores, so they stay there too)."""
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), cores)
-        except OSError:  # the thread exited meanwhile
-            pass
+    each_thread(lambda tid: os.sched_setaffinity(tid, cores))
 
 
 _held: dict[int, IO[str]] = {}  # this process's claimed cores' lock files, open for its life
@@ -280,8 +269,9 @@ def cpu_quota() -> float | None:
 def bind(role: str, enabled: bool, threads: int = 1) -> CpuBinding | SharedBinding:
     """A replica's binding: "decode" claims `threads` cores of its own, any other role shares
     the rest, at a raised priority (SHARED_NICE). Nothing is pinned when not `enabled`, not on
-    Linux, or in a container whose CPU quota is less than the cores it sees (a Kubernetes pod in the node's shared pool: the other
-    pods run on those cores too, and their claims are out of sight)."""
+    Linux, or in a container whose CPU quota is less than the cores it sees (a Kubernetes pod in
+    the node's shared pool: the other pods run on those cores too, and their claims are out of
+    sight)."""
     if not enabled or not supported():
         return CpuBinding("none", ())
     quota = cpu_quota()

@@ -185,7 +185,7 @@ def test_the_decode_replica_runs_on_a_core_of_its_own_and_the_prefill_replica_be
     """cpu_binding, on by default: every thread of the decode replica is on one core no other
     replica of ours runs on (what `taskset -p` shows); the prefill replica's on the rest, at a
     raised priority where this user may raise one (what `ps -L -o nice` shows), the decode
-    replica's at the default."""
+    replica's as Ray started it."""
     cores = sorted(os.sched_getaffinity(0))  # this test process is unpinned: the node's cores
     stats: dict = {}
 
