@@ -82,7 +82,8 @@ class SchedulerConfig:
 
     max_num_batched_tokens is the token budget of one step (decode tokens + prefill
     chunk tokens); prompts longer than the budget are prefilled in chunks when
-    `enable_chunked_prefill`, else they must fit in one step. `scheduling_policy`: "fcfs"
+    `enable_chunked_prefill` (a last chunk may run over the budget by 1/16 of it rather than
+    leave a few tokens for a step of their own), else they must fit in one step. `scheduling_policy`: "fcfs"
     (arrival order; a request's `priority` must be 0) or "priority" (vLLM's: lower `priority`
     first, then arrival; engine/scheduler.py). `prefill_schedule`, for prefill-only prompts (the
     prefill pool), within a priority: "ttft" (the earliest of arrival + own compute time first,

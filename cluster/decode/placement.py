@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from cluster.engine.scheduler import prompt_room
+from cluster.engine.scheduler import prompt_room, steps_for
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def local_steps(inp: PlacementInputs) -> tuple[int, int]:
     room = max(1, inp.step_budget - inp.running)
     if inp.max_step_s and inp.running and d.per_token_s > 0:  # as the scheduler cuts them
         room = prompt_room(inp.max_step_s, d.fixed_s, d.per_token_s, inp.running, inp.step_budget)
-    return room, max(1, math.ceil((inp.waiting_tokens + inp.uncached_tokens) / room))
+    return room, steps_for(inp.waiting_tokens + inp.uncached_tokens, room)
 
 
 def estimate_local(inp: PlacementInputs) -> tuple[float, float]:
@@ -114,7 +114,7 @@ def estimate_remote(inp: PlacementInputs) -> float:
     p, d = inp.prefill, inp.decode
     assert p is not None and d is not None
     work = p.ahead_of(inp.uncached_tokens) + inp.uncached_tokens
-    steps = max(1, math.ceil(work / max(1, p.step_budget)))
+    steps = steps_for(work, p.step_budget)
     return steps * p.costs.fixed_s + p.costs.per_token_s * work + inp.transfer_s + d.step_s(inp.running)
 
 

@@ -8,6 +8,9 @@ of the queue to recompute prompt + output so far. A waiting request whose next p
 a running one is still computing (n samples of one prompt, a burst of one system prompt)
 waits for it, and then takes it from the prefix cache instead of computing it again; the
 requests behind it go ahead meanwhile (at most MAX_DEFERRED of them wait so in one step).
+A prompt's last chunk may run over the step's budget by budget // TAIL_FRACTION tokens rather
+than leave them for a step of their own, which would cost a whole step's fixed part (weights
+read once more) for a few tokens of its time to first token.
 
 `scheduling_policy: priority` (vLLM's): the same, with requests ranked by (priority, arrival)
 instead of arrival alone, lower first: running requests take the step's budget and blocks in
@@ -38,6 +41,7 @@ is what every prompt in it waits on for its first token), within a priority:
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -49,6 +53,7 @@ from cluster.engine.step_cost import StepCost
 
 MAX_DEFERRED = 64  # waiting requests passed over in one step while their shared blocks compute
 MIN_PROMPT_CHUNK = 16  # prompt tokens a step carries at least under `max_step_ms`
+TAIL_FRACTION = 16  # a prompt's last chunk may run over the step's budget by budget // this
 
 
 @dataclass(frozen=True)
@@ -160,9 +165,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            rest = req.num_tokens - req.num_computed_tokens
+            n = min(rest, budget)
             if n > 1:  # a prompt's chunk (or a preempted request's recompute)
-                n = min(n, prompt_room)
+                n = self._chunk(rest, min(budget, prompt_room))
                 if n <= 0:
                     i += 1
                     continue
@@ -179,6 +185,13 @@ class Scheduler:
             if chunk.request.queue_s is None:
                 chunk.request.queue_s = now - chunk.request.ready_at
         return plan
+
+    def _chunk(self, rest: int, budget: int) -> int:
+        """Tokens a step with `budget` left computes of a prompt with `rest` to go: all of them
+        when no more than a sliver (budget // TAIL_FRACTION) would be left for the step after,
+        which would cost a step's fixed part for a few tokens (a 1,038-token prompt in steps of
+        512 + 526, not 512 + 512 + 14), else `budget`."""
+        return rest if rest - budget <= budget // TAIL_FRACTION else budget
 
     def _prompt_room(self) -> int:
         """Prompt tokens this step may carry: under `max_step_ms`, while requests decode, what keeps
@@ -224,7 +237,7 @@ class Scheduler:
             if n > budget:
                 if not self.config.enable_chunked_prefill and plan.chunks:
                     break
-                n = budget if self.config.enable_chunked_prefill else n
+                n = self._chunk(n, budget) if self.config.enable_chunked_prefill else n
             if not self.blocks.allocate(req, n, cached):
                 break
             self.waiting.remove(req)
@@ -355,6 +368,12 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+
+def steps_for(tokens: int, budget: int) -> int:
+    """Steps of `budget` tokens that `tokens` prompt tokens take, a last sliver folded into the
+    step before (Scheduler._chunk); the placement estimates use it."""
+    return max(1, math.ceil((tokens - budget // TAIL_FRACTION) / max(1, budget)))
 
 
 def prompt_room(cap_s: float, fixed_s: float, per_token_s: float, decoding: int, budget: int) -> int:

@@ -3,6 +3,7 @@ import pytest
 from builders import make_request, make_scheduler, run_step
 
 from cluster.engine.request import RequestStatus
+from cluster.engine.scheduler import steps_for
 
 
 def test_decodes_and_new_prefills_share_a_step_within_the_token_budget():
@@ -30,6 +31,26 @@ def test_chunked_prefill_continues_until_the_prompt_is_done():
         sizes.append(plan.chunks[0].num_tokens)
     assert sizes == [4, 4, 2, 1]
     assert req.output_token_ids == [5, 5] and req.status == RequestStatus.FINISHED_LENGTH
+
+
+def test_a_prompt_finishes_in_one_step_rather_than_leave_a_sliver_for_the_next():
+    sched = make_scheduler(max_num_batched_tokens=32)  # a sliver: at most 32 // 16 = 2 tokens
+    near, over = make_request(prompt_len=66, max_tokens=1), make_request(prompt_len=67, max_tokens=1)
+    steps = {}
+    for req in (near, over):
+        sched.add(req)
+        sizes = []
+        while not req.is_finished:
+            plan, _ = run_step(sched)
+            sizes.append(plan.chunks[0].num_tokens)
+        steps[len(req.prompt_token_ids)] = sizes
+    assert steps == {66: [32, 34], 67: [32, 32, 3]}
+    assert [steps_for(n, 32) for n in (1, 32, 34, 35, 66, 67)] == [1, 1, 1, 2, 2, 3]  # placement's count
+    short = make_request(prompt_len=33, max_tokens=1)  # admitted whole: 33 in a step of 32
+    sched.add(short)
+    plan, _ = run_step(sched)
+    assert [(c.request, c.num_tokens) for c in plan.chunks] == [(short, 33)]
+    assert short.is_finished and short.num_output_tokens == 1  # its first token, one step
 
 
 def test_max_num_seqs_limits_the_running_batch():
