@@ -76,7 +76,9 @@ class DecodeServer:
         self._acks: set[asyncio.Task] = set()
         self._landing: dict[tuple, asyncio.Event] = {}  # (prompt, salt) → set once its KV landed here
         self._prefill_pool: PrefillPoolView | None = None  # as its replicas last posted (placement by SLO)
-        self._sent_since_report: list[tuple[float, int]] = []  # prompts sent there lately: (wall time, tokens)
+        # prompts sent there and not back yet, request id → (wall time, tokens): until a report
+        # collected after they were sent shows them, or their prefill returns
+        self._sent_since_report: dict[str, tuple[float, int]] = {}
         self._pool_seen_at = 0.0
         self._placing_here: dict[str, int] = {}  # placed here, not yet in the engine's queue: their tokens
         self._transfer_s = 0.01  # a hand-off's send + receive lately (EWMA), seconds
@@ -168,7 +170,7 @@ class DecodeServer:
         placement = place(self._placement_inputs(uncached), self.config.ttft_slo_ms / 1e3, self.config.itl_slo_ms / 1e3)
         trace.update(placement.trace())
         if placement.where == "remote":
-            self._sent_since_report.append((time.time(), uncached))
+            self._sent_since_report[rid] = (time.time(), uncached)
             return False
         self._placing_here[rid] = uncached  # until the engine's queue holds it: a burst sees its peers
         self.counters["prefilled_locally_slo"] += 1
@@ -195,14 +197,14 @@ class DecodeServer:
         # a report was collected a while before it reached here: the prompts sent since (or just
         # before, still on their way) are not in it
         collected = min((r.get("posted_at") or 0.0) for r in live) - REPORT_LAG_S
-        self._sent_since_report = [(t, n) for t, n in self._sent_since_report if t > collected]
+        self._sent_since_report = {rid: (t, n) for rid, (t, n) in list(self._sent_since_report.items()) if t > collected}
 
     def _placement_inputs(self, uncached: int) -> PlacementInputs:
         load = self.engine.load()
         costs = self.engine.step_costs()
         pool = self._prefill_pool if time.monotonic() - self._pool_seen_at <= POOL_VIEW_STALE_S else None
         if pool is not None and self._sent_since_report:  # sent there since the pool last posted
-            pool = dataclasses.replace(pool, queued=pool.queued + tuple(n for _, n in self._sent_since_report))
+            pool = dataclasses.replace(pool, queued=pool.queued + tuple(n for _, n in self._sent_since_report.values()))
         waiting = load.waiting_tokens + sum(self._placing_here.values())
         return PlacementInputs(uncached, StepCosts(*costs) if costs else None, load.num_running, waiting,
                                self.config.engine.scheduler.max_num_batched_tokens, pool, self._transfer_s,
@@ -242,6 +244,7 @@ class DecodeServer:
         assert importer is not None
         receiver = await self.engine.call(importer.reserve, rid, prompt, params)
         if receiver is None:  # no room for R's KV right now: queue it here, prefilled locally
+            self._sent_since_report.pop(rid, None)
             self.counters["prefilled_locally_no_room"] += 1
             trace["kv"] = "no room: prefilled here"
             await self.engine.add_request(rid, prompt, params)
@@ -252,12 +255,14 @@ class DecodeServer:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
+            self._sent_since_report.pop(rid, None)
             self.counters["prefill_failed"] += 1
             trace["kv"] = f"prefill failed ({type(exc).__name__}): {importer.policy}"
             await self.engine.call(importer.abandon, rid)
             if importer.policy == "fail":
                 raise PrefillFailed(f"prefill failed: {type(exc).__name__}: {exc}") from exc
             return  # recomputed here from the prompt
+        self._sent_since_report.pop(rid, None)  # computed there: no longer in the pool's way
         trace.update(prefill_replica=handoff.origin, prefill_s=handoff.prefill_s, kv_bytes=handoff.kv_bytes,
                      kv_send_s=handoff.kv_send_s, kv="ended at the first token" if handoff.finished else "landed")
         packed = error = None

@@ -43,7 +43,8 @@ class PrefillServer:
         self.exporter = KVExporter(engine, self.connector, lease_s=kv.lease_s)
         self.engine = AsyncEngine(engine)
         self.name = ""  # this replica's id
-        # request id → (prompt tokens, of which not cached on arrival): from arrival to hand-off
+        # request id → (prompt tokens, of which not cached on arrival; 0 once computed): from
+        # arrival to hand-off
         self.queued: dict[str, tuple[int, int]] = {}
         self._reaper: asyncio.Task | None = None
         self.last_abort_at = 0.0  # wall time a cancelled request's blocks were last released
@@ -67,6 +68,7 @@ class PrefillServer:
                                           on_finish=functools.partial(self.exporter.pack, receiver=receiver))
             async for _ in stream:  # one output: the first token, once the prompt is computed
                 pass
+            self.queued[request_id] = (len(prompt), 0)  # its KV on the way: no work left here
             packed = stream.outcome
             assert packed is not None
             if not isinstance(packed, PrefillHandoff):
@@ -111,7 +113,7 @@ class PrefillServer:
 
     async def stats(self) -> dict[str, Any]:
         base = await self.engine.call(self.exporter.stats)
-        work = sorted(w for _, w in list(self.queued.values()))
+        work = sorted(w for w in self.work_left().values() if w)
         return {**base, "queued_prompt_tokens": sum(n for n, _ in self.queued.values()),
                 "queued_work": work[:MAX_QUEUED_REPORTED],
                 "engine_alive": self.engine.alive, "steps": self.engine.steps,
@@ -121,7 +123,13 @@ class PrefillServer:
         """What the prefill pool's router ranks by (router/request_routers.py): the prompts queued
         here ([request id, its tokens to compute]) and what the prefix cache holds."""
         cache = cache_report(self.engine.blocks) if self.config.prefix_aware_routing else {}
-        return {"queued": [[rid, work] for rid, (_, work) in list(self.queued.items())], **cache}
+        return {"queued": [[rid, work] for rid, work in self.work_left().items()], **cache}
+
+    def work_left(self) -> dict[str, int]:
+        """Each prompt's tokens still to compute here, from arrival until its KV is sent: what
+        the engine has left of it, or all it did not find cached before it reached the engine."""
+        engine = self.engine.prompt_work()
+        return {rid: min(engine.get(rid, uncached), uncached) for rid, (_, uncached) in list(self.queued.items())}
 
     def autoscaling_stats(self) -> dict[str, float]:
         """The load PrefillAutoscaling reads (cluster/autoscaling.py)."""

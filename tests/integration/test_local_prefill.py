@@ -197,30 +197,65 @@ def test_with_slos_each_prompt_is_prefilled_where_the_estimates_keep_them(slo_po
     assert run(slo_pools["prefill"].stats())["blocks_in_use"] == 0
 
 
-def test_a_prompt_sent_to_the_prefill_pool_counts_in_its_queue_until_a_report_collected_after_it(slo_pools):
+def test_a_prompt_sent_to_the_prefill_pool_counts_in_its_queue_until_a_report_shows_it_or_it_is_back(slo_pools):
     """The pool's reports arrive a while after they were collected: a prompt sent since (a long
-    one placed remote a moment ago) is in the queue the next placement sees, not forgotten."""
+    one placed remote a moment ago) is in the queue the next placement sees, not forgotten; once
+    its prefill is back it is out of the pool's way, report or not."""
+    import asyncio
     import time
+
+    from cluster.prefill.server import LocalPrefillClient
 
     decode = slo_pools["decode"]
     engine = decode.engine.engine
     real_fit = engine.step_cost
     pool = {"queued_work": [], "step_fixed_s": 0.040, "step_s_per_token": 0.001, "max_num_batched_tokens": 512}
+
+    class Held(LocalPrefillClient):  # the pool computes the prompt when the test lets it
+        def __init__(self, server) -> None:
+            super().__init__(server)
+            self.called, self.go = asyncio.Event(), asyncio.Event()
+
+        async def prefill(self, *args, **kwargs):
+            self.called.set()
+            await self.go.wait()
+            return await super().prefill(*args, **kwargs)
+
+    async def go() -> dict:
+        client = Held(slo_pools["prefill"])
+        prompt = [(11 * i) % 500 + 3 for i in range(60)]
+
+        async def stream() -> dict:
+            trace = {}
+            async for deltas in decode.generate("sent", prompt, GREEDY, client):
+                trace = next((d.trace for d in deltas if d.trace), trace)
+            return trace
+
+        task = asyncio.ensure_future(stream())
+        await client.called.wait()
+        assert decode._placement_inputs(60).prefill.queued == (60,)
+        # a report collected before that prompt was sent, read only now: the prompt still counts
+        decode.observe_prefill_pool([{**pool, "posted_at": time.time() - 5.0}])
+        assert decode._placement_inputs(60).prefill.queued == (60,)
+        client.go.set()
+        trace = await task
+        assert decode._placement_inputs(60).prefill.queued == ()  # back: no report needed
+        return trace
+
     try:
         engine.step_cost = PinnedCost(0.030, 0.001)
         time.sleep(0.2)  # whatever earlier tests sent there is in the next report
         decode.observe_prefill_pool([{**pool, "posted_at": time.time()}])
-        _, trace = generate(slo_pools, "sent", [(11 * i) % 500 + 3 for i in range(60)])
-        assert trace["placement"] == "remote"
-        # a report collected before that prompt was sent, read only now: the prompt still counts
-        decode.observe_prefill_pool([{**pool, "posted_at": time.time() - 5.0}])
-        assert decode._placement_inputs(60).prefill.queued == (60,)
-        # a report collected after it (the prompt done, or in `queued_work` itself): it does not
+        assert run(go())["placement"] == "remote"
+        # one sent and not back, then a report collected after it (where `queued_work` holds it
+        # while it is there): it counts once, in the report
+        decode._sent_since_report["lost"] = (time.time(), 60)
         time.sleep(0.2)
-        decode.observe_prefill_pool([{**pool, "posted_at": time.time()}])
-        assert decode._placement_inputs(60).prefill.queued == ()
+        decode.observe_prefill_pool([{**pool, "queued_work": [60], "posted_at": time.time()}])
+        assert decode._placement_inputs(60).prefill.queued == (60,)
     finally:
         engine.step_cost = real_fit
+        decode._sent_since_report.pop("lost", None)
 
 
 def test_the_slos_are_validated_with_the_app_config():

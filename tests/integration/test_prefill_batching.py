@@ -74,3 +74,41 @@ def test_a_prefill_replica_computes_prompts_that_arrive_together_in_one_step(sta
     assert steps == 1 and texts == expected
     stats = run(prefill.stats())
     assert stats["blocks_in_use"] == 0 and stats["leases"] == 0
+
+
+def test_a_prefill_replica_reports_what_is_left_of_each_prompt(stack):
+    """What a decode replica's placement reads of the pool's queue (`queued_work`) and the prefill
+    pool's router ranks by: each prompt's tokens still to compute, which shrink as its chunks run."""
+    from cluster.prefill.server import LocalPrefillClient
+
+    prefill, llm = stack["prefill"], stack["prefill"].engine.engine
+    prompt = [(7 * i) % 30000 + 100 for i in range(600)]  # steps of 512 + 88
+    chunked, resume = threading.Event(), threading.Event()
+    real_step = llm.step
+
+    def step():  # the engine thread holds after the prompt's first chunk until the test has looked
+        outs = real_step()
+        if prefill.queued and not chunked.is_set():
+            chunked.set()
+            resume.wait(30)
+        return outs
+
+    async def go():
+        async def generate():
+            async for _ in stack["decode"].generate("long", prompt, GREEDY, LocalPrefillClient(prefill)):
+                pass
+
+        task = asyncio.ensure_future(generate())
+        assert await asyncio.to_thread(chunked.wait, 30)
+        left = prefill.work_left()
+        resume.set()
+        await task
+        return left
+
+    llm.step = step
+    try:
+        assert run(go()) == {"long": 600 - 512}
+    finally:
+        llm.step = real_step
+        resume.set()
+    assert prefill.work_left() == {} and run(prefill.stats())["queued_work"] == []
