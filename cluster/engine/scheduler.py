@@ -26,10 +26,8 @@ each keep the streams' inter-token latency.
 `prefill_schedule: ttft` (default), for prefill-only prompts (a prefill replica's, where a step
 is what every prompt in it waits on for its first token), within a priority:
 - Order: the earliest `arrival + own compute time` first (the step cost's per-token fit times
-  the prompt's tokens; for a prompt part way through its chunks, the tokens it has left). A
-  short prompt passes a long one that came before it by less than the long one's own compute
-  time, also when the long one is already running (it sits out the steps the short one takes);
-  a long one waits at most about that long behind later arrivals.
+  the prompt's tokens). A short prompt passes a long one that came before it by less than the
+  long one's own compute time; a long one waits at most about that long behind later arrivals.
 - Batch size: a prompt joins the step while what it adds to the step, paid by each of the k
   prompts already finishing in it (k x per_token x its tokens), is less than the fixed cost of
   a step of its own. On a CPU, where a token costs much against the fixed part, that is a few
@@ -164,13 +162,9 @@ class Scheduler:
         if self.by_priority:  # the request ranked last is the tail, where victims come from
             self.running.sort(key=_rank)
         prompt_room = self._prompt_room()
-        passed = self._passed_prompts()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req in passed:  # a waiting prompt ranks ahead of the rest of it: that one first
-                i += 1
-                continue
             rest = req.num_tokens - req.num_computed_tokens
             n = min(rest, budget)
             if n > 1:  # a prompt's chunk (or a preempted request's recompute)
@@ -186,14 +180,6 @@ class Scheduler:
             i += 1
         if not plan.preempted:
             self._admit_waiting(plan, min(budget, prompt_room))
-        for req in passed if not plan.chunks else ():  # none of those ahead could start: go on
-            n = self._chunk(req.num_tokens - req.num_computed_tokens, min(budget, prompt_room))
-            if n <= 0 or not self._reserve_or_preempt(req, n, plan):
-                break
-            plan.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
-            budget -= n
-            if budget <= 0:
-                break
         now = time.monotonic()
         for chunk in plan.chunks:
             if chunk.request.queue_s is None:
@@ -266,26 +252,6 @@ class Scheduler:
             if cached is not None:
                 computing.update(req.block_hashes[len(cached):])
 
-    def _passed_prompts(self) -> list[Request]:
-        """Under ttft, the prefill-only prompts part way through their chunks that a waiting
-        prompt ranks ahead of (the same key as admission, on the tokens each has left): they sit
-        out the step, so a short prompt that arrives while a long one runs waits for a step, not
-        for the rest of the long one (which still waits at most about its own time left)."""
-        cost = self._prompt_cost()
-        if cost is None or not self.waiting or not self.running:
-            return []
-        waiting = [self._ttft_key(r, cost[1]) for r in self.waiting if r.prefill_only]
-        if not waiting:
-            return []
-        first = min(waiting)
-        return [r for r in self.running
-                if r.prefill_only and r.num_tokens - r.num_computed_tokens > 1 and self._ttft_key(r, cost[1]) > first]
-
-    def _ttft_key(self, req: Request, per_token: float) -> tuple[int, float]:
-        """Under ttft, prompts go in order of (priority, arrival + own compute time left)."""
-        own = per_token * (req.num_tokens - req.num_computed_tokens) if req.prefill_only else 0.0
-        return (req.params.priority if self.by_priority else 0), req.arrival_time + own
-
     def _prompt_cost(self) -> tuple[float, float] | None:
         """(fixed, per_token) seconds of a step, for ordering and batching prefill-only prompts
         under `prefill_schedule: ttft`; None: fcfs, or not measured yet, or a token's cost lost in
@@ -300,7 +266,12 @@ class Scheduler:
         or by rank under priority; under ttft, prefill-only prompts by arrival + own compute time."""
         if cost is None or not any(r.prefill_only for r in self.waiting):
             return sorted(self.waiting, key=_rank) if self.by_priority else list(self.waiting)
-        return sorted(self.waiting, key=lambda r: self._ttft_key(r, cost[1]))
+        per_token = cost[1]
+
+        def key(req: Request) -> tuple[int, float]:
+            own = per_token * (req.num_tokens - req.num_computed_tokens) if req.prefill_only else 0.0
+            return (req.params.priority if self.by_priority else 0), req.arrival_time + own
+        return sorted(self.waiting, key=key)
 
     def _being_computed(self) -> set[bytes]:
         """Hashes of the prompt blocks running requests have yet to compute."""

@@ -76,31 +76,6 @@ def test_a_long_prompt_waits_at_most_its_own_compute_time_behind_later_arrivals(
     assert all(r in ahead for r in shorts if r.arrival_time + CPU[1] * 10 < own)
 
 
-def test_a_short_prompt_that_arrives_while_a_long_one_runs_goes_in_the_next_step():
-    sched = scheduler(CPU)
-    long = prompt(sched, 1038, arrival=0.0)  # 512 + 526 tokens: ~1.25 s of its own work
-    plan, _ = run_step(sched)
-    assert [(c.request, c.num_tokens) for c in plan.chunks] == [(long, 512)]
-    short = prompt(sched, 40, arrival=0.3)  # during that first step: its own 0.05 s ends before the long's rest
-    plan, _ = run_step(sched)
-    assert [c.request for c in plan.chunks] == [short]  # the long one sits this step out
-    plan, _ = run_step(sched)
-    assert [(c.request, c.num_tokens) for c in plan.chunks] == [(long, 526)]
-
-
-def test_a_chunked_long_prompt_waits_at_most_about_its_own_compute_time_behind_later_arrivals():
-    sched = scheduler(CPU)
-    long = prompt(sched, 1038, arrival=0.0)  # its own work: 1,038 x 1.2 ms = 1.25 s, in two chunks
-    shorts = [prompt(sched, 10, arrival=0.05 * i) for i in range(1, 60)]  # one every 50 ms, for ~3 s
-    finished = []
-    while sched.has_work():
-        _, done = run_step(sched)
-        finished += done
-    own = CPU[1] * 1038
-    ahead = finished[:finished.index(long)]  # those that came within its own time, and no other
-    assert ahead and set(ahead) == {r for r in shorts if r.arrival_time + CPU[1] * 10 < own}
-
-
 def test_priority_still_comes_first():
     sched = scheduler(CPU, scheduling_policy="priority")
     low = prompt(sched, 10, arrival=0.0, priority=1)
