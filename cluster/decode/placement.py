@@ -43,17 +43,17 @@ class PrefillPoolView:
     """The prefill pool as its replicas last posted it, plus what this replica sent since."""
 
     costs: StepCosts
-    queued: tuple[int, ...]  # each queued prompt's tokens still to compute, over the pool
+    queued: tuple[int, ...]  # each queued prompt's tokens to compute, over the pool
     replicas: int
     step_budget: int  # a prefill step's max_num_batched_tokens
+    running: tuple[int, ...] = ()  # the rest of each prompt part way through its chunks
 
     def ahead_of(self, tokens: int) -> float:
         """Prompt tokens a new prompt of `tokens` waits for on one replica: the shorter ones
-        queued (they go first: engine/scheduler.py, prefill_schedule ttft) and the step in
-        progress (at most a step's budget of a longer one)."""
+        queued (they go first: engine/scheduler.py, prefill_schedule ttft) and the rest of every
+        prompt already running (it runs to its end before another is admitted)."""
         shorter = sum(w for w in self.queued if w <= tokens)
-        longer = max((w for w in self.queued if w > tokens), default=0)
-        return (shorter + min(longer, self.step_budget)) / max(1, self.replicas)
+        return (shorter + sum(self.running)) / max(1, self.replicas)
 
 
 @dataclass(frozen=True)

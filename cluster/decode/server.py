@@ -47,7 +47,8 @@ from cluster.cache_report import cache_report
 from cluster.sampling_params import SamplingParams
 
 
-PREFILL_POOL_KEYS = ("queued_work", "step_fixed_s", "step_s_per_token", "max_num_batched_tokens", "posted_at")
+PREFILL_POOL_KEYS = ("queued_work", "running_work", "step_fixed_s", "step_s_per_token", "max_num_batched_tokens",
+                     "posted_at")
 REPORT_LAG_S = 0.1  # a prompt sent this long before a report was collected is in it (a handle call's time)
 TRANSFER_EWMA = 0.2
 POOL_VIEW_STALE_S = 5.0  # a prefill pool view this old (its watcher failing) is not used
@@ -192,8 +193,9 @@ class DecodeServer:
         fixed = max(r["step_fixed_s"] for r in live)  # the slowest replica's, to be safe
         per_token = max(r["step_s_per_token"] for r in live)
         queued = tuple(w for r in live for w in r.get("queued_work") or ())
+        running = tuple(w for r in live for w in r.get("running_work") or ())
         self._prefill_pool = PrefillPoolView(StepCosts(fixed, per_token), queued, len(live),
-                                             min(r.get("max_num_batched_tokens") or 512 for r in live))
+                                             min(r.get("max_num_batched_tokens") or 512 for r in live), running)
         # a report was collected a while before it reached here: the prompts sent since (or just
         # before, still on their way) are not in it
         collected = min((r.get("posted_at") or 0.0) for r in live) - REPORT_LAG_S

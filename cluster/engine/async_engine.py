@@ -203,13 +203,13 @@ class AsyncEngine:
         return EngineLoad(len(s.running), len(s.waiting) + len(s.remote), waiting_tokens, e.blocks.num_free_blocks,
                           e.blocks.num_used_blocks, e.blocks.num_blocks)
 
-    def prompt_work(self) -> dict[str, int]:
-        """Request id → prompt tokens still to compute, of the requests queued here or part way
-        through their prompt (a snapshot, as `load`)."""
+    def prompt_work(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(queued, started): request id → prompt tokens still to compute, of the requests queued
+        here and of those part way through their prompt (a snapshot, as `load`)."""
         s = self.engine.scheduler
-        work = {r.request_id: r.num_tokens - r.num_computed_tokens for r in list(s.waiting)}
-        work.update((r.request_id, left) for r in list(s.running) if (left := r.num_tokens - r.num_computed_tokens) > 1)
-        return work
+        queued = {r.request_id: r.num_tokens - r.num_computed_tokens for r in list(s.waiting)}
+        started = {r.request_id: left for r in list(s.running) if (left := r.num_tokens - r.num_computed_tokens) > 1}
+        return queued, started
 
     def open(self, request_id: str) -> RequestStream:
         """Register R's stream before R enters the engine, so no output is missed."""

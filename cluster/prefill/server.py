@@ -113,9 +113,10 @@ class PrefillServer:
 
     async def stats(self) -> dict[str, Any]:
         base = await self.engine.call(self.exporter.stats)
-        work = sorted(w for w in self.work_left().values() if w)
+        queued, started = self.work_left()
         return {**base, "queued_prompt_tokens": sum(n for n, _ in self.queued.values()),
-                "queued_work": work[:MAX_QUEUED_REPORTED],
+                "queued_work": sorted(w for w in queued.values() if w)[:MAX_QUEUED_REPORTED],
+                "running_work": sorted(started.values()),
                 "engine_alive": self.engine.alive, "steps": self.engine.steps,
                 "last_abort_at": self.last_abort_at, "histograms": self.connector.histograms()}
 
@@ -123,13 +124,22 @@ class PrefillServer:
         """What the prefill pool's router ranks by (router/request_routers.py): the prompts queued
         here ([request id, its tokens to compute]) and what the prefix cache holds."""
         cache = cache_report(self.engine.blocks) if self.config.prefix_aware_routing else {}
-        return {"queued": [[rid, work] for rid, work in self.work_left().items()], **cache}
+        queued, started = self.work_left()
+        return {"queued": [[rid, work] for rid, work in {**queued, **started}.items()], **cache}
 
-    def work_left(self) -> dict[str, int]:
-        """Each prompt's tokens still to compute here, from arrival until its KV is sent: what
-        the engine has left of it, or all it did not find cached before it reached the engine."""
-        engine = self.engine.prompt_work()
-        return {rid: min(engine.get(rid, uncached), uncached) for rid, (_, uncached) in list(self.queued.items())}
+    def work_left(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(queued, started): each prompt's tokens still to compute here, from arrival until its
+        KV is sent, apart for those part way through their chunks (the engine runs them to their
+        end before it admits another: a prompt that arrives now waits for all of their rest):
+        what the engine has left of it, or all it did not find cached before it got there."""
+        waiting, started = self.engine.prompt_work()
+        queued, running = {}, {}
+        for rid, (_, uncached) in list(self.queued.items()):
+            if rid in started:
+                running[rid] = min(started[rid], uncached)
+            else:
+                queued[rid] = min(waiting.get(rid, uncached), uncached)
+        return queued, running
 
     def autoscaling_stats(self) -> dict[str, float]:
         """The load PrefillAutoscaling reads (cluster/autoscaling.py)."""

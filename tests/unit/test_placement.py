@@ -11,23 +11,26 @@ TTFT_SLO, ITL_SLO = 1.0, 0.150
 
 
 def inputs(uncached: int, queued=(), running: int = 8, waiting_tokens: int = 0, replicas: int = 1,
-           decode=DECODE, prefill=PREFILL) -> PlacementInputs:
-    pool = PrefillPoolView(prefill, tuple(queued), replicas, step_budget=512) if prefill else None
+           decode=DECODE, prefill=PREFILL, started=()) -> PlacementInputs:
+    pool = PrefillPoolView(prefill, tuple(queued), replicas, step_budget=512, running=tuple(started)) if prefill else None
     return PlacementInputs(uncached, decode, running, waiting_tokens, 512, pool, transfer_s=0.010)
 
 
 def test_the_estimates_by_hand():
-    inp = inputs(100, queued=(50, 300, 2000), running=8, waiting_tokens=20)
+    inp = inputs(100, queued=(50, 300, 2000), running=8, waiting_tokens=20, started=(700,))
     ttft, itl = estimate_local(inp)
     # one step of 20 + 100 prompt tokens beside 8 streams: 30 ms + 128 x 1 ms
     assert ttft == pytest.approx(0.030 + 0.128) and itl == pytest.approx(0.030 + 0.128)
-    # remote: the 50-token prompt ahead (shorter), the 2000-token one's step in progress (512 of
-    # it), then ours: 662 tokens in 2 steps of the prefill pool, the transfer, one decode step
-    assert estimate_remote(inp) == pytest.approx(2 * 0.040 + 0.662 + 0.010 + 0.030 + 0.008)
+    # remote: the rest of the prompt being computed there (700 tokens: it runs to its end), the
+    # 50-token prompt queued (shorter: it goes first; the longer ones wait), then ours: 850
+    # tokens in 2 steps of the prefill pool, the transfer, one decode step to join
+    assert estimate_remote(inp) == pytest.approx(2 * 0.040 + 0.850 + 0.010 + 0.030 + 0.008)
+    assert estimate_remote(inputs(100, queued=(50, 300, 2000))) == pytest.approx(0.040 + 0.150 + 0.048)
 
 
 def test_a_long_queue_is_shared_by_the_replicas():
     assert PrefillPoolView(PREFILL, (100, 100, 100, 100), 2, 512).ahead_of(200) == 200
+    assert PrefillPoolView(PREFILL, (100, 900), 2, 512, running=(600, 200)).ahead_of(200) == 450
 
 
 def test_costs_not_measured_yet_go_remote():
@@ -86,12 +89,12 @@ def test_with_steps_cut_to_the_itl_slo_a_long_prompt_costs_more_steps_and_keeps_
 
 
 def test_with_steps_cut_a_long_prompt_behind_a_busy_prefill_pool_is_prefilled_here():
-    # the prefill pool holds 1,500 tokens of longer prompts: remote misses the TTFT SLO; here,
+    # the prefill pool is computing a longer prompt, 1,500 tokens to go: remote misses the TTFT SLO; here,
     # in 150 ms steps, it keeps both SLOs
-    p = place(capped(500, queued=(1500,)), TTFT_SLO, ITL_SLO)
+    p = place(capped(500, started=(1500,)), TTFT_SLO, ITL_SLO)
     assert p.where == "local" and p.local_ttft_s <= TTFT_SLO < p.remote_ttft_s and p.local_itl_s <= ITL_SLO
     # without the cut the same prompt's 512-token step breaks the ITL SLO: the smaller breach
-    assert place(inputs(500, queued=(1500,)), TTFT_SLO, ITL_SLO).reason.startswith("neither")
+    assert place(inputs(500, started=(1500,)), TTFT_SLO, ITL_SLO).reason.startswith("neither")
 
 
 def test_with_no_stream_decoding_steps_are_not_cut():
