@@ -9,6 +9,8 @@
                             raise its priority (root, CAP_SYS_NICE, or an RLIMIT_NICE that
                             allows it); elsewhere at the one Ray gave them (a worker's Python
                             threads: nice 15, RAY_worker_niceness)
+    decode replica          pinned, runs its threads at nice OWN_NICE (0) where it may, for the
+                            same reason
 
 A decode replica's step is what every stream waits on: on its own core it is not preempted by
 the HTTP path or a prefill, and its working set stays in that core's caches. On the 2-core host
@@ -24,9 +26,13 @@ thread's CPU, took 1.75-2.05 s of wall time (docs/performance.md). At a higher p
 theirs, a prompt runs first on its core, the router beside it still gets its turn at once, and
 the kernel's load balancer, which weighs a core's load by its threads' priorities, moves the
 unpinned processes to the decode replica's core, whose steps have room to spare (an ITL of ~30
-ms against the 150 ms SLO). Decode replicas keep Ray's priority. With the prefill replica alone
-raised, the router pinned beside it waited behind each long prompt (the mixed load's ITL p99
-348 ms, against 117 with both raised).
+ms against the 150 ms SLO). With the prefill replica alone raised, the router pinned beside it
+waited behind each long prompt (the mixed load's ITL p99 348 ms, against 117 with both raised).
+A decode replica at Ray's nice 15 yields its core to any unpinned nice-0 thread the balancer
+puts there (the load generator, the proxy's gRPC threads) at a weight of 36 against 1,024, and
+the balancer, which sees such a core as nearly idle, puts them there: at nice 0 it shares evenly
+and its core counts as loaded. Not -5 like the shared cores': that would push every unpinned
+process onto the prefill replica's core.
 
 A claim is an exclusive fcntl lock on one file per core in a per-user directory under the node's
 temp folder: the kernel drops a process's locks when it dies, so a replica that goes away gives
@@ -54,6 +60,7 @@ from typing import IO, Any, Callable
 log = logging.getLogger(__name__)
 
 SHARED_NICE = -5  # prefill replicas' and routers' threads: ~3x a nice-0 thread's CPU weight, ~87x nice 15
+OWN_NICE = 0  # a pinned decode replica's threads: a nice-0 thread's weight, ~28x nice 15
 REFRESH_S = 5.0  # how often a shared binding re-reads which cores the decode replicas hold
 _CLAIM_TRIES = 3  # a core's lock may be probed by a shared binding for a moment: try it again
 
@@ -139,8 +146,9 @@ def pin_process(cores: set[int]) -> None:
 _held: dict[int, IO[str]] = {}  # this process's claimed cores' lock files, open for its life
 
 
-def claim_own(count: int, directory: Path | None = None) -> CpuBinding:
-    """Claim `count` free cores, lowest first, and pin this process to them; unpinned when fewer
+def claim_own(count: int, directory: Path | None = None, nice: int | None = None) -> CpuBinding:
+    """Claim `count` free cores, lowest first, and pin this process to them, its threads at
+    `nice` where the OS allows it (raise_priority); unpinned, at its own priority, when fewer
     than `count` are free (what was claimed is let go)."""
     if not supported():
         return CpuBinding("none", ())
@@ -177,6 +185,8 @@ def claim_own(count: int, directory: Path | None = None) -> CpuBinding:
         return CpuBinding("none", ())
     _held.update(got)
     pin_process(set(got))
+    if nice is not None and os.getpriority(os.PRIO_PROCESS, 0) > nice:  # raise, never lower
+        raise_priority(nice)
     return CpuBinding("own", tuple(sorted(got)))
 
 
@@ -267,8 +277,8 @@ def cpu_quota() -> float | None:
 
 
 def bind(role: str, enabled: bool, threads: int = 1) -> CpuBinding | SharedBinding:
-    """A replica's binding: "decode" claims `threads` cores of its own, any other role shares
-    the rest, at a raised priority (SHARED_NICE). Nothing is pinned when not `enabled`, not on
+    """A replica's binding: "decode" claims `threads` cores of its own (at OWN_NICE), any other
+    role shares the rest, at a raised priority (SHARED_NICE). Nothing is pinned when not `enabled`, not on
     Linux, or in a container whose CPU quota is less than the cores it sees (a Kubernetes pod in
     the node's shared pool: the other pods run on those cores too, and their claims are out of
     sight)."""
@@ -279,5 +289,5 @@ def bind(role: str, enabled: bool, threads: int = 1) -> CpuBinding | SharedBindi
         log.info("cpu binding: a CPU quota of %.2f over %d cores: nothing pinned", quota, len(allowed_cores()))
         return CpuBinding("none", ())
     if role == "decode":
-        return claim_own(threads)
+        return claim_own(threads, nice=OWN_NICE)
     return SharedBinding(nice=SHARED_NICE)

@@ -1,7 +1,8 @@
 """CPU binding (cluster/cpu_binding.py), across real processes: a decode replica claims a core of
 its own and every thread of it runs there, a second one takes the next core, the others run on
 what is left, and a replica that dies gives its core back; a prefill replica's threads run at a
-raised priority where the OS allows it."""
+raised priority where the OS allows it, a decode replica's at nice 0 (the children start at
+nice 10, as Ray starts a worker's Python threads at 15)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ role, directory = sys.argv[1], Path(sys.argv[2])
 early = threading.Thread(target=threading.Event().wait, daemon=True)  # started before binding
 early.start()
 if role == "own":
-    binding = cpu_binding.claim_own(1, directory)
+    binding = cpu_binding.claim_own(1, directory, nice=cpu_binding.OWN_NICE)
 else:
     binding = cpu_binding.SharedBinding(directory, refresh_s=0.1, nice=cpu_binding.SHARED_NICE)
 for line in sys.stdin:  # each line asks for a report
@@ -35,11 +36,15 @@ for line in sys.stdin:  # each line asks for a report
 """
 
 
+START_NICE = 10
+
+
 class Child:
     def __init__(self, role: str, directory: Path) -> None:
         repo = Path(__file__).resolve().parents[2]
         self.proc = subprocess.Popen([sys.executable, "-c", CHILD, role, str(directory)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(repo)})
+                                     stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(repo)},
+                                     preexec_fn=lambda: os.setpriority(os.PRIO_PROCESS, 0, START_NICE))
 
     def report(self) -> dict:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -69,6 +74,7 @@ def test_decode_replicas_own_cores_the_rest_share_what_is_left_and_a_dead_ones_c
         a = first.report()
         assert a["mode"] == "own" and a["cores"] == cores[:1]
         assert a["process"] == a["early_thread"] == cores[:1]  # every thread, those started before too
+        assert a["nice"] == a["early_nice"] == (cpu_binding.OWN_NICE if may_raise() else START_NICE)
 
         shared = Child("shared", tmp_path)
         children.append(shared)
@@ -76,7 +82,7 @@ def test_decode_replicas_own_cores_the_rest_share_what_is_left_and_a_dead_ones_c
         s = wait_report(shared, left)
         assert s["mode"] == "shared" and s["cores"] == left and s["process"] == s["early_thread"] == left
         # beside a decode replica, on cores of their own: raised where allowed, every thread
-        raised = cpu_binding.SHARED_NICE if may_raise() and len(cores) > 1 else a["nice"]
+        raised = cpu_binding.SHARED_NICE if may_raise() and len(cores) > 1 else START_NICE
         assert s["nice"] == s["early_nice"] == raised
 
         if len(cores) > 1:  # a second decode replica takes the next core, not the first one's
@@ -84,14 +90,14 @@ def test_decode_replicas_own_cores_the_rest_share_what_is_left_and_a_dead_ones_c
             children.append(second)
             assert second.report()["cores"] == cores[1:2]
             s = wait_report(shared, cores)  # every core held: run anywhere, decode's cores too,
-            assert s["cores"] == cores and s["nice"] == s["early_nice"] == a["nice"]  # as it started
+            assert s["cores"] == cores and s["nice"] == s["early_nice"] == START_NICE  # as it started
             second.stop()
             s = wait_report(shared, left)
             assert s["nice"] == s["early_nice"] == raised
 
         first.stop()  # its lock goes with it
         s = wait_report(shared, cores)
-        assert s["cores"] == s["process"] == cores and s["nice"] == a["nice"]  # no decode replica: as it started
+        assert s["cores"] == s["process"] == cores and s["nice"] == START_NICE  # no decode replica: as it started
         third = Child("own", tmp_path)
         children.append(third)
         assert third.report()["cores"] == cores[:1]  # the dead replica's core is free to claim again
@@ -109,6 +115,7 @@ def test_no_free_core_leaves_a_decode_replica_unpinned(tmp_path):
         owners.append(late)
         report = late.report()
         assert report["mode"] == "none" and report["cores"] == [] and report["process"] == cores
+        assert report["nice"] == START_NICE  # not pinned: not raised either
     finally:
         for owner in owners:
             owner.stop()
