@@ -9,8 +9,8 @@
                             raise its priority (root, CAP_SYS_NICE, or an RLIMIT_NICE that
                             allows it); elsewhere at the one Ray gave them (a worker's Python
                             threads: nice 15, RAY_worker_niceness)
-    decode replica          pinned, runs its threads at nice OWN_NICE (0) where it may, for the
-                            same reason
+    decode replica          pinned, runs its threads at nice OWN_NICE (0) where it may, while
+                            some core of the node is left to the others
 
 A decode replica's step is what every stream waits on: on its own core it is not preempted by
 the HTTP path or a prefill, and its working set stays in that core's caches. On the 2-core host
@@ -32,7 +32,9 @@ A decode replica at Ray's nice 15 yields its core to any unpinned nice-0 thread 
 puts there (the load generator, the proxy's gRPC threads) at a weight of 36 against 1,024, and
 the balancer, which sees such a core as nearly idle, puts them there: at nice 0 it shares evenly
 and its core counts as loaded. Not -5 like the shared cores': that would push every unpinned
-process onto the prefill replica's core.
+process onto the prefill replica's core. Where decode replicas hold every core (a colocated
+app), the routers and Serve's proxy run on theirs at Ray's priority: the decode replicas stay
+there too, or the HTTP path would wait behind every step.
 
 A claim is an exclusive fcntl lock on one file per core in a per-user directory under the node's
 temp folder: the kernel drops a process's locks when it dies, so a replica that goes away gives
@@ -146,16 +148,53 @@ def pin_process(cores: set[int]) -> None:
 _held: dict[int, IO[str]] = {}  # this process's claimed cores' lock files, open for its life
 
 
-def claim_own(count: int, directory: Path | None = None, nice: int | None = None) -> CpuBinding:
-    """Claim `count` free cores, lowest first, and pin this process to them, its threads at
-    `nice` where the OS allows it (raise_priority); unpinned, at its own priority, when fewer
-    than `count` are free (what was claimed is let go)."""
+class Priority:
+    """This process's threads at `nice` while held (`hold(True)`), each back to its own after
+    (`hold(False)`). Where the OS refuses (raise_priority), nothing changes and it is not asked
+    again; it never lowers a process already at `nice` or above."""
+
+    def __init__(self, nice: int) -> None:
+        self.nice, self.own = nice, os.getpriority(os.PRIO_PROCESS, 0)
+        self.raised: dict[int, int] | None = None  # while held: each thread's nice before
+        self.refused = False
+
+    def hold(self, on: bool) -> None:
+        if self.refused:
+            return
+        if on and self.raised is None and self.own > self.nice:
+            self.raised = raise_priority(self.nice)
+            self.refused = self.raised is None
+        elif not on and self.raised is not None:
+            restore_priority(self.raised, self.own)
+            self.raised = None
+
+
+def _every(refresh_s: float, fn: Callable[[], None], name: str) -> None:
+    """`fn()` every `refresh_s` from a daemon thread, for the process's life."""
+    def run() -> None:
+        while True:
+            time.sleep(refresh_s)
+            try:
+                fn()
+            except OSError as exc:  # e.g. the lock folder went away: keep the last binding
+                log.warning("cpu binding: refresh failed: %s", exc)
+    threading.Thread(target=run, name=name, daemon=True).start()
+
+
+def claim_own(count: int, directory: Path | None = None, nice: int | None = None,
+              refresh_s: float = REFRESH_S) -> CpuBinding:
+    """Claim `count` free cores, lowest first, and pin this process to them; with `nice`, its
+    threads run at that priority while some core of the node is left unclaimed (re-read every
+    `refresh_s`: where decode replicas hold every core, the routers and Serve's proxy share
+    theirs at Ray's priority, and must not wait behind them). Unpinned, at its own priority,
+    when fewer than `count` are free (what was claimed is let go)."""
     if not supported():
         return CpuBinding("none", ())
     directory = directory or lock_dir()
     if not _own_dir(directory):
         log.warning("cpu binding: %s is not a private folder of this user; running unpinned", directory)
         return CpuBinding("none", ())
+    node = allowed_cores()  # before pinning
     got: dict[int, IO[str]] = {}
     for attempt in range(_CLAIM_TRIES):
         for core in sorted(allowed_cores() - set(got) - set(_held)):
@@ -185,8 +224,13 @@ def claim_own(count: int, directory: Path | None = None, nice: int | None = None
         return CpuBinding("none", ())
     _held.update(got)
     pin_process(set(got))
-    if nice is not None and os.getpriority(os.PRIO_PROCESS, 0) > nice:  # raise, never lower
-        raise_priority(nice)
+    if nice is not None:
+        priority = Priority(nice)
+
+        def watch() -> None:
+            priority.hold(bool(node - claimed_cores(node, directory)))
+        watch()
+        _every(refresh_s, watch, "tandem-cpu-priority")
     return CpuBinding("own", tuple(sorted(got)))
 
 
@@ -225,12 +269,9 @@ class SharedBinding:
         self.refresh_s = refresh_s
         self.all = allowed_cores()  # what it may run on before pinning (its own affinity changes)
         self.cores: tuple[int, ...] = tuple(sorted(self.all))  # unpinned: what it starts on
-        self.nice, self.own_nice = nice, os.getpriority(os.PRIO_PROCESS, 0)
-        self.raised: dict[int, int] | None = None  # while raised: each thread's nice before
-        self.refused = False  # the OS would not raise it: not asked again
+        self.priority = Priority(nice) if nice is not None else None
         self.refresh()
-        self._thread = threading.Thread(target=self._run, name="tandem-cpu-binding", daemon=True)
-        self._thread.start()
+        _every(refresh_s, self.refresh, "tandem-cpu-binding")
 
     def describe(self) -> dict[str, Any]:
         return {"mode": "shared", "cores": list(self.cores), "nice": os.getpriority(os.PRIO_PROCESS, 0)}
@@ -242,23 +283,9 @@ class SharedBinding:
         if cores != self.cores:  # threads started since the last pinning inherit it
             pin_process(free)
             self.cores = cores
-        if self.nice is None or self.refused:
-            return
-        if held and self.all - held:  # cores of its own beside a decode replica's
-            if self.raised is None:
-                self.raised = raise_priority(self.nice)
-                self.refused = self.raised is None
-        elif self.raised is not None:  # running anywhere, decode replicas' cores too: as Ray started it
-            restore_priority(self.raised, self.own_nice)
-            self.raised = None
-
-    def _run(self) -> None:
-        while True:
-            time.sleep(self.refresh_s)
-            try:
-                self.refresh()
-            except OSError as exc:  # e.g. the lock folder went away: keep the last binding
-                log.warning("cpu binding: refresh failed: %s", exc)
+        if self.priority is not None:  # raised on cores of its own beside a decode replica's; running
+            # anywhere, decode replicas' cores too: as Ray started it
+            self.priority.hold(bool(held and self.all - held))
 
 
 def cpu_quota() -> float | None:
