@@ -266,7 +266,6 @@ class SharedBinding:
 
     def __init__(self, directory: Path | None = None, refresh_s: float = REFRESH_S, nice: int | None = None) -> None:
         self.directory = directory or lock_dir()
-        self.refresh_s = refresh_s
         self.all = allowed_cores()  # what it may run on before pinning (its own affinity changes)
         self.cores: tuple[int, ...] = tuple(sorted(self.all))  # unpinned: what it starts on
         self.priority = Priority(nice) if nice is not None else None
@@ -305,10 +304,10 @@ def cpu_quota() -> float | None:
 
 def bind(role: str, enabled: bool, threads: int = 1) -> CpuBinding | SharedBinding:
     """A replica's binding: "decode" claims `threads` cores of its own (at OWN_NICE), any other
-    role shares the rest, at a raised priority (SHARED_NICE). Nothing is pinned when not `enabled`, not on
-    Linux, or in a container whose CPU quota is less than the cores it sees (a Kubernetes pod in
-    the node's shared pool: the other pods run on those cores too, and their claims are out of
-    sight)."""
+    role shares the rest, at a raised priority (SHARED_NICE). Nothing is pinned when not
+    `enabled`, not on Linux, or in a container whose CPU quota is less than the cores it sees (a
+    Kubernetes pod in the node's shared pool: the other pods run on those cores too, and their
+    claims are out of sight)."""
     if not enabled or not supported():
         return CpuBinding("none", ())
     quota = cpu_quota()
