@@ -198,8 +198,8 @@ class AsyncEngine:
     def load(self) -> EngineLoad:
         e = self.engine
         s = e.scheduler
-        queued, started = self.prompt_work()
-        waiting_tokens = sum(queued.values()) + sum(started.values())
+        waiting_tokens = sum(r.num_tokens - r.num_computed_tokens for r in list(s.waiting))
+        waiting_tokens += sum(left for r in list(s.running) if (left := r.num_tokens - r.num_computed_tokens) > 1)
         return EngineLoad(len(s.running), len(s.waiting) + len(s.remote), waiting_tokens, e.blocks.num_free_blocks,
                           e.blocks.num_used_blocks, e.blocks.num_blocks)
 
