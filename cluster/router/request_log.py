@@ -92,9 +92,13 @@ class RequestLog:
 
 
 def configure_trace_logging() -> None:
-    """Trace lines go to stderr (the replica's log file under Ray's logs dir), message only."""
+    """Trace lines go to the process's stderr (the replica's worker-*.err under Ray's logs dir),
+    message only, as each request ends. The process's own stderr: under Ray's throughput mode
+    (RAY_SERVE_THROUGHPUT_OPTIMIZED=1, which sets RAY_SERVE_LOG_TO_STDERR=0) Serve swaps a
+    replica's `sys.stderr` for a writer into its own logger, which holds records in a buffer of
+    RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE (1,000 there) before they reach its log file."""
     if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = logging.StreamHandler(sys.__stderr__ or sys.stderr)
         handler.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
