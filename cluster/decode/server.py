@@ -168,8 +168,11 @@ class DecodeServer:
             return True
         if not self.places_by_slo:
             return False
-        placement = place(self._placement_inputs(uncached), self.config.ttft_slo_ms / 1e3, self.config.itl_slo_ms / 1e3)
+        inputs = self._placement_inputs(uncached)
+        placement = place(inputs, self.config.ttft_slo_ms / 1e3, self.config.itl_slo_ms / 1e3)
         trace.update(placement.trace())
+        if inputs.decode is not None:
+            trace["step_tail"] = round(inputs.decode.tail, 3)
         if placement.where == "remote":
             self._sent_since_report[rid] = (time.time(), uncached)
             return False

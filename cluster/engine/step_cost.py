@@ -15,13 +15,25 @@ Steps that all computed the same number of tokens (a single stream: 1 each) say 
 the split between the two parts; until the window holds steps of at least two sizes the slope
 is unknown and `per_token_s` is None. `LLMEngine.calibrate` runs two steps of different sizes
 so a new replica knows its slope before its first request.
+
+The fit is a mean; a replica sharing its host with other processes runs some steps well over it
+(on the 2-core host of docs/performance.md, local prefills estimated at ~145 ms ran to ~180).
+`tail` is what 9 steps in 10 of the last TAIL_WINDOW kept to: the TAIL_QUANTILE of each step's
+seconds over what the fit said before it, at least 1. Placement by SLO scales the step that
+would carry a prompt here by it, so a prompt goes here only when its step keeps the ITL SLO in
+the tail too.
 """
 
 from __future__ import annotations
 
+from collections import deque
+
 DECAY = 0.99
 MIN_WEIGHT = 1.9  # observations (decayed: two make 1.99) before anything is said
 MIN_SPREAD = 0.25  # weighted variance of tokens-per-step below which the slope is unknown
+TAIL_WINDOW = 200  # steps whose cost over the fit `tail` reads
+TAIL_QUANTILE = 0.9
+MIN_TAIL_STEPS = 20  # fewer steps seen against a fit: `tail` is 1
 
 
 class StepCost:
@@ -38,12 +50,17 @@ class StepCost:
         self.fixed_s: float | None = None  # the fitted intercept, known with the slope
         self.resolved = False  # the window tells a token's cost from a step's (a slope > 0 found)
         self.steps = 0
+        self._over: deque[float] = deque(maxlen=TAIL_WINDOW)  # each step's seconds / the fit's before it
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """One step that computed `num_tokens` tokens in `seconds` (engine thread)."""
         if num_tokens <= 0 or seconds < 0:
             return
         d, x, y = self.decay, float(num_tokens), float(seconds)
+        if self.per_token_s is not None and self.fixed_s is not None:
+            expected = self.fixed_s + self.per_token_s * x
+            if expected > 0:
+                self._over.append(y / expected)
         self._w = self._w * d + 1.0
         self._x = self._x * d + x
         self._y = self._y * d + y
@@ -72,6 +89,16 @@ class StepCost:
         # in a step: a tiny model, a GPU); a token never costs nothing, and the average cost per
         # token (fixed part included) is an upper bound to fall back on. `resolved` says so.
         return 0.0, mean_y / mean_x, False
+
+    @property
+    def tail(self) -> float:
+        """What 9 recent steps in 10 cost over the fit (a factor >= 1); 1 until MIN_TAIL_STEPS
+        steps were seen against a fit."""
+        over = list(self._over)  # a copy: the engine thread appends while others read
+        if len(over) < MIN_TAIL_STEPS:
+            return 1.0
+        over.sort()
+        return max(1.0, over[min(len(over) - 1, int(TAIL_QUANTILE * len(over)))])
 
     def extra_seconds(self, num_tokens: int) -> float | None:
         """What `num_tokens` more tokens would add to a step; None while the slope is unknown."""

@@ -34,6 +34,7 @@ class FixedCost:
 
     def __init__(self, per_token_s: float | None) -> None:
         self.per_token_s = per_token_s
+        self.tail = 1.0
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         pass
@@ -186,6 +187,13 @@ def test_with_slos_each_prompt_is_prefilled_where_the_estimates_keep_them(slo_po
             assert trace["kv"] == ("slo: prefilled here (10 uncached tokens)" if where == "local" else "landed")
             assert trace["local_ttft_ms"] == pytest.approx(40.0 if where == "local" else 90.0)
             assert tokens == generate(slo_pools, f"{name}-colocated", prompt, disaggregated=False)[0], name
+        # a host where 1 step in 10 ran 1.5x over the fit: the short prompt's 40 ms step would be
+        # 60 ms in that tail, over the ITL SLO: the pool
+        engine.step_cost.tail = 1.5
+        _, trace = generate(slo_pools, "short-busy-host", short)
+        assert trace["placement"] == "remote" and trace["kv"] == "landed", trace
+        assert trace["step_tail"] == 1.5 and trace["local_itl_ms"] == pytest.approx(60.0)
+        engine.step_cost.tail = 1.0
         # the prefill pool's queue fills up (2,000 shorter tokens ahead): the long one stays here now
         decode.observe_prefill_pool([{**pool[0], "queued_work": [50] * 40}])
         _, trace = generate(slo_pools, "long-busy-pool", [(17 * i) % 500 + 3 for i in range(60)])

@@ -53,6 +53,18 @@ def test_a_long_prompt_that_would_stall_the_streams_goes_remote():
     assert p.reason == "only this one keeps the SLOs"
 
 
+def test_a_prompt_whose_step_keeps_the_itl_slo_on_the_fit_but_not_in_the_replicas_tail_goes_remote():
+    # 8 streams and 100 prompt tokens: 30 + 108 x 1 = 138 ms by the fit, under the 150 ms SLO
+    assert place(inputs(100), TTFT_SLO, ITL_SLO).where == "local"
+    # the replica's steps ran up to 1.2x over their fit lately (9 in 10): 166 ms, over it
+    p = place(inputs(100, decode=StepCosts(0.030, 0.001, tail=1.2)), TTFT_SLO, ITL_SLO)
+    assert p.where == "remote" and p.reason == "only this one keeps the SLOs"
+    assert p.local_itl_s == pytest.approx(0.138 * 1.2)
+    assert p.itl_s == pytest.approx(0.038)  # the streams' own step: the fit, nothing added here
+    # the first token's estimate is a sum of steps: the fit's, tail or not
+    assert p.local_ttft_s == place(inputs(100), TTFT_SLO, ITL_SLO).local_ttft_s
+
+
 def test_a_short_prompt_behind_a_long_prefill_queue_stays_local():
     p = place(inputs(30, queued=[25] * 60), TTFT_SLO, ITL_SLO)  # 1,500 shorter tokens queued there
     assert p.where == "local" and p.remote_ttft_s > TTFT_SLO and p.local_itl_s <= ITL_SLO

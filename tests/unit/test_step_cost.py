@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from cluster.engine.step_cost import StepCost
+from cluster.engine.step_cost import MIN_TAIL_STEPS, StepCost
 
 
 def test_the_slope_of_noisy_steps_is_found_and_the_fixed_part_left_out():
@@ -60,3 +60,33 @@ def test_empty_and_negative_observations_are_ignored_and_the_decay_is_checked():
     for bad in (0.0, 1.0, 1.5):
         with pytest.raises(ValueError, match="decay"):
             StepCost(bad)
+
+
+def test_the_tail_is_what_one_step_in_ten_runs_over_the_fit():
+    fit = StepCost()
+    for i in range(MIN_TAIL_STEPS + 2):  # steps exactly as fitted: no tail
+        n = 1 + i % 16
+        fit.observe(n, 0.02 + 0.001 * n)
+    assert fit.tail == 1.0
+    rng = random.Random(1)
+    for i in range(400):  # one step in five runs 1.5x over (a neighbour on the core), the rest as fitted
+        n = 1 + i % 16
+        fit.observe(n, (0.02 + 0.001 * n) * (1.5 if rng.random() < 0.2 else 1.0))
+    assert fit.tail == pytest.approx(1.5, rel=0.1)
+    assert fit.per_token_s is not None and fit.extra_seconds(40) == pytest.approx(0.040, rel=0.3)  # the fit stays a mean
+
+
+def test_the_tail_is_one_until_enough_steps_were_seen_against_a_fit_and_never_below():
+    fit = StepCost()
+    for _ in range(100):  # one size: no fit, nothing to measure the steps against
+        fit.observe(1, 0.05)
+    assert fit.per_token_s is None and fit.tail == 1.0
+    fit.observe(17, 0.05 + 0.016)
+    for _ in range(MIN_TAIL_STEPS - 2):
+        fit.observe(17, 0.2)  # far over: but too few steps to say so yet
+    assert fit.tail == 1.0
+    fast = StepCost()
+    for i in range(300):  # a host that speeds up: steps under the fit
+        n = 1 + i % 16
+        fast.observe(n, (0.02 + 0.001 * n) * (1.0 if i < 100 else 0.7))
+    assert fast.tail == 1.0
