@@ -4,7 +4,7 @@ costs both pools measure (plain values, no torch).
 
                  time to first token                              running streams' ITL
     remote       prefill queue + own prompt on a prefill replica  unchanged
-                 + KV transfer + one decode step to join
+                 + hand-off + one decode step to join
     local        this replica's queue + own prompt, in steps      each step it shares grows by
                  of `max_num_batched_tokens` beside the streams,  its prompt tokens' cost: at
                  or, with SchedulerConfig.max_step_ms set, of     most up to max_step_ms, when
@@ -68,7 +68,8 @@ class PlacementInputs:
     waiting_tokens: int  # prompt tokens queued here ahead of R
     step_budget: int  # max_num_batched_tokens
     prefill: PrefillPoolView | None  # None: no fresh report from the prefill pool
-    transfer_s: float  # a hand-off's KV send + receive, recently
+    handoff_s: float  # what a hand-off costs beyond the pool's queue and compute, recently: the
+    #                   calls to the pool and back, the KV's send and receive
     max_step_s: float = 0.0  # the engine's cap on a step while streams decode (0: none)
 
 
@@ -114,12 +115,12 @@ def estimate_local(inp: PlacementInputs) -> tuple[float, float]:
 
 def estimate_remote(inp: PlacementInputs) -> float:
     """TTFT if R goes to the prefill pool: its share of the pool's queue, R's own step, the
-    transfer, and one decode step to join the batch here."""
+    hand-off around them (the calls, the KV's transfer), and one decode step to join here."""
     p, d = inp.prefill, inp.decode
     assert p is not None and d is not None
     work = p.ahead_of(inp.uncached_tokens) + inp.uncached_tokens
     steps = steps_for(work, p.step_budget)
-    return steps * p.costs.fixed_s + p.costs.per_token_s * work + inp.transfer_s + d.step_s(inp.running)
+    return steps * p.costs.fixed_s + p.costs.per_token_s * work + inp.handoff_s + d.step_s(inp.running)
 
 
 def place(inp: PlacementInputs, ttft_slo_s: float | None, itl_slo_s: float | None) -> Placement:

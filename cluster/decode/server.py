@@ -50,7 +50,7 @@ from cluster.sampling_params import SamplingParams
 PREFILL_POOL_KEYS = ("queued_work", "running_work", "step_fixed_s", "step_s_per_token", "max_num_batched_tokens",
                      "posted_at")
 REPORT_LAG_S = 0.1  # a prompt sent this long before a report was collected is in it (a handle call's time)
-TRANSFER_EWMA = 0.2
+HANDOFF_EWMA = 0.2
 POOL_VIEW_STALE_S = 5.0  # a prefill pool view this old (its watcher failing) is not used
 
 
@@ -82,7 +82,7 @@ class DecodeServer:
         self._sent_since_report: dict[str, tuple[float, int]] = {}
         self._pool_seen_at = 0.0
         self._placing_here: dict[str, int] = {}  # placed here, not yet in the engine's queue: their tokens
-        self._transfer_s = 0.01  # a hand-off's send + receive lately (EWMA), seconds
+        self._handoff_s = 0.01  # what a hand-off costs beyond the pool's queue and compute, lately (EWMA), s
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                        prefill: PrefillClient | None = None,
@@ -208,11 +208,16 @@ class DecodeServer:
         load = self.engine.load()
         costs = self.engine.step_costs()
         pool = self._prefill_pool if time.monotonic() - self._pool_seen_at <= POOL_VIEW_STALE_S else None
-        if pool is not None and self._sent_since_report:  # sent there since the pool last posted
-            pool = dataclasses.replace(pool, queued=pool.queued + tuple(n for _, n in self._sent_since_report.values()))
+        if pool is not None and self._sent_since_report:  # sent there since the pool last posted: on
+            # a replica with nothing running or queued a prompt started at once, and runs to its end
+            # before a shorter one sent after it; the rest wait, the shorter first
+            sent = [n for _, n in self._sent_since_report.values()]  # in the order sent
+            idle = 0 if pool.queued else max(0, pool.replicas - len(pool.running))
+            pool = dataclasses.replace(pool, running=pool.running + tuple(sent[:idle]),
+                                       queued=pool.queued + tuple(sent[idle:]))
         waiting = load.waiting_tokens + sum(self._placing_here.values())
         return PlacementInputs(uncached, StepCosts(*costs) if costs else None, load.num_running, waiting,
-                               self.config.engine.scheduler.max_num_batched_tokens, pool, self._transfer_s,
+                               self.config.engine.scheduler.max_num_batched_tokens, pool, self._handoff_s,
                                self._max_step_s)
 
     async def _remote_prefill(self, rid: str, prompt: list[int], params: SamplingParams,
@@ -255,8 +260,13 @@ class DecodeServer:
             await self.engine.add_request(rid, prompt, params)
             return
         trace["kv_reused_tokens"] = receiver.cached_blocks * self.engine.block_size
+        sent, retried = time.monotonic(), []
+
+        def on_retry() -> None:
+            retried.append(True)
+            self._retried()
         try:
-            handoff = await prefill_with_retries(prefill, rid, prompt, params, receiver, self._retried)
+            handoff = await prefill_with_retries(prefill, rid, prompt, params, receiver, on_retry)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -281,9 +291,11 @@ class DecodeServer:
             finally:  # landed, failed or cancelled: the prefill side may free R's blocks now
                 self._ack(prefill, handoff)
             trace["kv_receive_s"] = time.monotonic() - fetching
-            if error is None:  # what a hand-off's transfer costs lately, for placement by SLO
-                moved = handoff.kv_send_s + trace["kv_receive_s"]
-                self._transfer_s += TRANSFER_EWMA * (moved - self._transfer_s)
+        if error is None and not retried:  # for placement by SLO: the calls both ways, the KV's send
+            # and receive; all but the pool's queue and compute (prefill_s holds those and the send)
+            handoff_s = time.monotonic() - sent - (handoff.prefill_s - handoff.kv_send_s)
+            trace["handoff_s"] = handoff_s
+            self._handoff_s += HANDOFF_EWMA * (handoff_s - self._handoff_s)
         # the first token goes to R's stream from the engine thread, ahead of the steps after it
         await self.engine.call(importer.start, rid, handoff, packed, error, deliver=True)
 

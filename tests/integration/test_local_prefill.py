@@ -205,13 +205,61 @@ def test_with_slos_each_prompt_is_prefilled_where_the_estimates_keep_them(slo_po
     assert run(slo_pools["prefill"].stats())["blocks_in_use"] == 0
 
 
+def test_the_prefill_pools_estimate_counts_what_a_hand_off_costs_around_the_pools_compute(slo_pools):
+    """A prefill pool whose own compute is cheap (1 ms + 0.1 ms a token, idle) beats this
+    replica's 40 ms for a 10-token prompt, until hand-offs are seen to cost more than that around
+    the pool's queue and compute (here a call that takes 300 ms to reach it: a busy event loop, a
+    slow network): each request's trace shows what its hand-off cost beyond the pool's compute,
+    the estimate of the next one counts their recent average (one in five of the last), and the
+    prompt stays here."""
+    import asyncio
+
+    from cluster.prefill.server import LocalPrefillClient
+
+    decode = slo_pools["decode"]
+    engine = decode.engine.engine
+    real_fit, real_handoff = engine.step_cost, decode._handoff_s
+    pool = {"queued_work": [], "step_fixed_s": 0.001, "step_s_per_token": 0.0001, "max_num_batched_tokens": 512}
+
+    class SlowCall(LocalPrefillClient):
+        async def prefill(self, *args, **kwargs):
+            await asyncio.sleep(0.3)
+            return await super().prefill(*args, **kwargs)
+
+    async def one(rid: str, prompt: list[int], client) -> dict:
+        trace = {}
+        async for deltas in decode.generate(rid, prompt, GREEDY, client):
+            trace = next((d.trace for d in deltas if d.trace), trace)
+        return trace
+
+    try:
+        engine.step_cost = PinnedCost(0.030, 0.001)
+        decode._handoff_s = 0.002  # hand-offs in one process, lately: ~ms
+        decode.observe_prefill_pool([pool])
+        trace = run(one("fast-call", [7 * i + 5 for i in range(10)], LocalPrefillClient(slo_pools["prefill"])))
+        assert trace["placement"] == "remote" and trace["local_ttft_ms"] == pytest.approx(40.0), trace
+        assert 0 < trace["handoff_s"] < 0.3
+        trace = run(one("slow-call", [7 * i + 9 for i in range(10)], SlowCall(slo_pools["prefill"])))
+        assert trace["placement"] == "remote" and trace["handoff_s"] >= 0.3, trace
+        # the recent average now holds ~60 ms of hand-off: the pool's first token ~92 ms, here 40
+        trace = run(one("after-a-slow-call", [11 * i + 3 for i in range(10)], LocalPrefillClient(slo_pools["prefill"])))
+        assert trace["placement"] == "local" and trace["remote_ttft_ms"] > 80, trace
+        assert trace["kv"] == "slo: prefilled here (10 uncached tokens)"
+    finally:
+        engine.step_cost, decode._handoff_s = real_fit, real_handoff
+
+
 def test_a_prompt_sent_to_the_prefill_pool_counts_in_its_queue_until_a_report_shows_it_or_it_is_back(slo_pools):
     """The pool's reports arrive a while after they were collected: a prompt sent since (a long
-    one placed remote a moment ago) is in the queue the next placement sees, not forgotten; once
-    its prefill is back it is out of the pool's way, report or not."""
+    one placed remote a moment ago) is in the pool's work the next placement sees, not forgotten:
+    sent to an idle pool it started at once, so a shorter prompt sent after it waits for all of
+    it; sent to a busy one it waits in the queue. Once its prefill is back it is out of the pool's
+    way, report or not."""
     import asyncio
+    import dataclasses
     import time
 
+    from cluster.decode.placement import estimate_remote
     from cluster.prefill.server import LocalPrefillClient
 
     decode = slo_pools["decode"]
@@ -241,13 +289,22 @@ def test_a_prompt_sent_to_the_prefill_pool_counts_in_its_queue_until_a_report_sh
 
         task = asyncio.ensure_future(stream())
         await client.called.wait()
-        assert decode._placement_inputs(60).prefill.queued == (60,)
+        view = decode._placement_inputs(10).prefill
+        assert view.running == (60,) and view.queued == ()  # the pool was idle: it runs there now
+        # a 10-token prompt now would wait for all 60 there: ~40 ms + 70 tokens, not 40 ms + 10
+        alone = dataclasses.replace(decode._placement_inputs(10), prefill=dataclasses.replace(view, running=()))
+        assert estimate_remote(decode._placement_inputs(10)) == pytest.approx(estimate_remote(alone) + 0.060)
         # a report collected before that prompt was sent, read only now: the prompt still counts
         decode.observe_prefill_pool([{**pool, "posted_at": time.time() - 5.0}])
-        assert decode._placement_inputs(60).prefill.queued == (60,)
+        assert decode._placement_inputs(60).prefill.running == (60,)
+        # a pool busy with a prompt of its own when it posted: this one waits in its queue
+        decode.observe_prefill_pool([{**pool, "running_work": [500], "posted_at": time.time() - 5.0}])
+        view = decode._placement_inputs(60).prefill
+        assert view.running == (500,) and view.queued == (60,)
         client.go.set()
         trace = await task
-        assert decode._placement_inputs(60).prefill.queued == ()  # back: no report needed
+        view = decode._placement_inputs(60).prefill
+        assert view.queued == () and view.running == (500,)  # back: no report needed
         return trace
 
     try:
@@ -260,7 +317,8 @@ def test_a_prompt_sent_to_the_prefill_pool_counts_in_its_queue_until_a_report_sh
         decode._sent_since_report["lost"] = (time.time(), 60)
         time.sleep(0.2)
         decode.observe_prefill_pool([{**pool, "queued_work": [60], "posted_at": time.time()}])
-        assert decode._placement_inputs(60).prefill.queued == (60,)
+        view = decode._placement_inputs(60).prefill
+        assert view.queued == (60,) and view.running == ()
     finally:
         engine.step_cost = real_fit
         decode._sent_since_report.pop("lost", None)

@@ -13,7 +13,7 @@ TTFT_SLO, ITL_SLO = 1.0, 0.150
 def inputs(uncached: int, queued=(), running: int = 8, waiting_tokens: int = 0, replicas: int = 1,
            decode=DECODE, prefill=PREFILL, started=()) -> PlacementInputs:
     pool = PrefillPoolView(prefill, tuple(queued), replicas, step_budget=512, running=tuple(started)) if prefill else None
-    return PlacementInputs(uncached, decode, running, waiting_tokens, 512, pool, transfer_s=0.010)
+    return PlacementInputs(uncached, decode, running, waiting_tokens, 512, pool, handoff_s=0.010)
 
 
 def test_the_estimates_by_hand():
