@@ -24,7 +24,8 @@ yet): remote, as without SLOs.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Sequence
 
 from cluster.engine.scheduler import prompt_room, steps_for
 
@@ -58,6 +59,13 @@ class PrefillPoolView:
         prompt already running (it runs to its end before another is admitted)."""
         shorter = sum(w for w in self.queued if w <= tokens)
         return (shorter + sum(self.running)) / max(1, self.replicas)
+
+    def plus_sent(self, sent: Sequence[int]) -> PrefillPoolView:
+        """This view with prompts sent since it was posted (tokens each, in the order sent): on a
+        replica with nothing running or queued a prompt started at once, and runs to its end
+        before a shorter one sent after it; the rest wait, the shorter first."""
+        idle = 0 if self.queued else max(0, self.replicas - len(self.running))
+        return replace(self, running=self.running + tuple(sent[:idle]), queued=self.queued + tuple(sent[idle:]))
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import time
 from collections import Counter
 from typing import Any, AsyncIterator, Sequence
@@ -208,13 +207,8 @@ class DecodeServer:
         load = self.engine.load()
         costs = self.engine.step_costs()
         pool = self._prefill_pool if time.monotonic() - self._pool_seen_at <= POOL_VIEW_STALE_S else None
-        if pool is not None and self._sent_since_report:  # sent there since the pool last posted: on
-            # a replica with nothing running or queued a prompt started at once, and runs to its end
-            # before a shorter one sent after it; the rest wait, the shorter first
-            sent = [n for _, n in self._sent_since_report.values()]  # in the order sent
-            idle = 0 if pool.queued else max(0, pool.replicas - len(pool.running))
-            pool = dataclasses.replace(pool, running=pool.running + tuple(sent[:idle]),
-                                       queued=pool.queued + tuple(sent[idle:]))
+        if pool is not None and self._sent_since_report:  # sent there since the pool last posted
+            pool = pool.plus_sent([n for _, n in self._sent_since_report.values()])
         waiting = load.waiting_tokens + sum(self._placing_here.values())
         return PlacementInputs(uncached, StepCosts(*costs) if costs else None, load.num_running, waiting,
                                self.config.engine.scheduler.max_num_batched_tokens, pool, self._handoff_s,

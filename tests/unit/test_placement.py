@@ -121,3 +121,12 @@ def test_with_steps_cut_a_long_prompt_both_could_serve_goes_remote_to_spare_the_
     assert p.where == "remote" and "stall" in p.reason
     # a prompt one cut step holds still goes where its first token comes first
     assert place(capped(12), TTFT_SLO, ITL_SLO).where == "local"
+
+
+def test_prompts_sent_since_the_pool_posted_run_on_an_idle_replica_and_queue_on_a_busy_one():
+    view = PrefillPoolView(PREFILL, (), 2, step_budget=512, running=(300,))
+    sent = view.plus_sent([600, 40, 20])  # one replica idle: the first sent started there
+    assert sent.running == (300, 600) and sent.queued == (40, 20)
+    assert sent.ahead_of(30) == (20 + 300 + 600) / 2  # a short one waits for both running prompts
+    busy = PrefillPoolView(PREFILL, (50,), 2, step_budget=512).plus_sent([600])  # a queue: nobody idle
+    assert busy.running == () and busy.queued == (50, 600)
