@@ -21,7 +21,12 @@ The fit is a mean; a replica sharing its host with other processes runs some ste
 `tail` is what 9 steps in 10 of the last TAIL_WINDOW kept to: the TAIL_QUANTILE of each step's
 seconds over what the fit said before it, at least 1. Placement by SLO scales the step that
 would carry a prompt here by it, so a prompt goes here only when its step keeps the ITL SLO in
-the tail too.
+the tail too. A step's time over its fit is read against at least TAIL_FLOOR_S: a stall of a few
+ms is a share of a long step but not of a short one. Read against the fit alone, the ~1 ms steps
+of a tiny model that stalled now and then by a few tens of ms made the tail 28-38, and placement
+judged local prefill steps of 4-17 ms at 158-500 ms: a 64-request burst of bench/dataplane.py sent
+every prompt to the prefill pool. Steps of the default model on this project's 2-core host are
+fitted at 21 ms and more, over the floor: their tail reads as before.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ MIN_SPREAD = 0.25  # weighted variance of tokens-per-step below which the slope 
 TAIL_WINDOW = 200  # steps whose cost over the fit `tail` reads
 TAIL_QUANTILE = 0.9
 MIN_TAIL_STEPS = 20  # fewer steps seen against a fit: `tail` is 1
+TAIL_FLOOR_S = 0.01  # a step's time over its fit is read as a share of at least this
 
 
 class StepCost:
@@ -50,7 +56,7 @@ class StepCost:
         self.fixed_s: float | None = None  # the fitted intercept, known with the slope
         self.resolved = False  # the window tells a token's cost from a step's (a slope > 0 found)
         self.steps = 0
-        self._over: deque[float] = deque(maxlen=TAIL_WINDOW)  # each step's seconds / the fit's before it
+        self._over: deque[float] = deque(maxlen=TAIL_WINDOW)  # each step's 1 + (s over the fit) / max(fit, floor)
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """One step that computed `num_tokens` tokens in `seconds` (engine thread)."""
@@ -60,7 +66,7 @@ class StepCost:
         if self.per_token_s is not None and self.fixed_s is not None:
             expected = self.fixed_s + self.per_token_s * x
             if expected > 0:
-                self._over.append(y / expected)
+                self._over.append(1.0 + (y - expected) / max(expected, TAIL_FLOOR_S))
         self._w = self._w * d + 1.0
         self._x = self._x * d + x
         self._y = self._y * d + y

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from cluster.engine.step_cost import MIN_TAIL_STEPS, StepCost
+from cluster.engine.step_cost import MIN_TAIL_STEPS, TAIL_FLOOR_S, StepCost
 
 
 def test_the_slope_of_noisy_steps_is_found_and_the_fixed_part_left_out():
@@ -74,6 +74,15 @@ def test_the_tail_is_what_one_step_in_ten_runs_over_the_fit():
         fit.observe(n, (0.02 + 0.001 * n) * (1.5 if rng.random() < 0.2 else 1.0))
     assert fit.tail == pytest.approx(1.5, rel=0.1)
     assert fit.per_token_s is not None and fit.extra_seconds(40) == pytest.approx(0.040, rel=0.3)  # the fit stays a mean
+
+
+def test_a_stall_on_a_step_shorter_than_the_floor_counts_against_the_floor():
+    # a tiny model's ~1 ms steps, one in five stalled by 4 ms: a stall, not a 5x slower host
+    fit, rng = StepCost(), random.Random(2)
+    for i in range(400):
+        n = 1 + i % 16
+        fit.observe(n, 0.0005 + 0.00005 * n + (0.004 if rng.random() < 0.2 else 0.0))
+    assert fit.tail == pytest.approx(1 + 0.004 / TAIL_FLOOR_S, rel=0.1)  # ~1.4, not ~5
 
 
 def test_the_tail_is_one_until_enough_steps_were_seen_against_a_fit_and_never_below():
