@@ -1,4 +1,10 @@
-"""The model folder's tokenizer and chat template, through transformers."""
+"""The model folder's tokenizer and chat template, through transformers.
+
+A folder whose tokenizer_config.json names the generic fast tokenizer (`TokenizersBackend`, or
+`PreTrainedTokenizerFast`, its old name), as the default model's does, loads it without
+AutoTokenizer: AutoTokenizer's import chain loads torch (~2 s of CPU, ~0.2 GB), which a router
+replica, holding no engine, has no use for. Any other class goes through AutoTokenizer.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from transformers import AutoTokenizer, PreTrainedConfig
+GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 # What a request's template variables may never set: the render's own arguments, what
 # transformers puts in every template's scope, and the model's special tokens.
@@ -21,12 +27,7 @@ RESERVED_TEMPLATE_VARIABLES = frozenset({
 
 class Tokenizer:
     def __init__(self, model_path: str | Path) -> None:
-        # AutoTokenizer reads config.json only for its model_type (and tokenizer_class). Left to
-        # itself it builds the model's own config class, whose import chain costs ~2 s of CPU in
-        # every replica; the plain config object carries the same fields.
-        config = PreTrainedConfig.from_dict(json.loads((Path(model_path) / "config.json").read_text()))
-        config._name_or_path = str(model_path)
-        self.hf = AutoTokenizer.from_pretrained(str(model_path), config=config)
+        self.hf = _load(Path(model_path))
         self.eos_token_ids = frozenset(self._eos_ids(Path(model_path)))
 
     def _eos_ids(self, folder: Path) -> set[int]:
@@ -82,6 +83,23 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return len(self.hf)
+
+
+def _load(folder: Path) -> Any:
+    settings = folder / "tokenizer_config.json"
+    named = json.loads(settings.read_text()).get("tokenizer_class") if settings.is_file() else None
+    if named in GENERIC_TOKENIZERS and (folder / "tokenizer.json").is_file():
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(str(folder))
+    from transformers import AutoTokenizer, PreTrainedConfig
+
+    # AutoTokenizer reads config.json only for its model_type (and tokenizer_class). Left to
+    # itself it builds the model's own config class, whose import chain costs ~2 s of CPU more;
+    # the plain config object carries the same fields.
+    config = PreTrainedConfig.from_dict(json.loads((folder / "config.json").read_text()))
+    config._name_or_path = str(folder)
+    return AutoTokenizer.from_pretrained(str(folder), config=config)
 
 
 @lru_cache(maxsize=8)
