@@ -12,6 +12,10 @@ R's own stream stays open until R finishes, but carries nothing after its first 
 notices a caller's cancel of a stream only when it next writes to it: so the router aborts R by
 a call (`cancel`, pinned to this replica), and a channel that closes (its router went away or
 gave it up) cancels every request still on it.
+A channel no request has used for IDLE_CLOSE_S ends its stream: the router opens it again when
+it next sees a request here. A channel is a request in flight to Serve, so one held open while
+idle would keep a replica being removed (scale-down) from draining until Serve's
+graceful_shutdown_timeout_s (20 s by default) killed it.
 A batch is {request id: [deltas]}, everything put since the subscriber last looked: the deltas
 of one engine step arrive together (AsyncEngine hands a step's outputs to the loop at once),
 so a router gets one message per step whatever the number of its streams. A channel that
@@ -22,17 +26,49 @@ which the router migrates like a lost replica.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import AsyncIterator
 
 from cluster.engine.outputs import ChannelClosed, TokenDelta
 
+IDLE_CLOSE_S = 2.0
+
 
 class Channel:
-    def __init__(self) -> None:
+    def __init__(self, idle_close_s: float = IDLE_CLOSE_S) -> None:
         self.pending: dict[str, list[TokenDelta]] = {}
         self.closed = False
         self.tasks: dict[str, asyncio.Task] = {}  # request id → the task streaming it here
+        self.idle_close_s = idle_close_s  # 0: never
         self._ready = asyncio.Event()
+        self._idle_since = time.monotonic()
+        self._idle = False  # set by the timer: nothing used the channel for idle_close_s
+        self._timer: asyncio.TimerHandle | None = None
+
+    def attach(self, request_id: str, task: asyncio.Task) -> None:
+        """R streams here; `task` runs R (Channels.cancel cancels it)."""
+        self.tasks[request_id] = task
+
+    def detach(self, request_id: str) -> None:
+        self.tasks.pop(request_id, None)
+        if not self.tasks:
+            self._idle_since = time.monotonic()
+            self._arm(self.idle_close_s)
+
+    def _arm(self, delay: float) -> None:
+        if self.idle_close_s and self._timer is None and not self.closed:
+            self._timer = asyncio.get_running_loop().call_later(delay, self._check_idle)
+
+    def _check_idle(self) -> None:
+        self._timer = None
+        if self.tasks or self.closed:
+            return  # the last detach arms it again
+        left = self._idle_since + self.idle_close_s - time.monotonic()
+        if left > 0:  # used again since this timer was set
+            self._arm(left)
+            return
+        self._idle = True
+        self._ready.set()
 
     def put(self, request_id: str, delta: TokenDelta) -> None:
         if self.closed:
@@ -41,18 +77,30 @@ class Channel:
         self._ready.set()
 
     async def batches(self) -> AsyncIterator[dict[str, list[TokenDelta]]]:
-        while True:
-            await self._ready.wait()
-            self._ready.clear()
-            batch, self.pending = self.pending, {}
-            yield batch
+        """Everything put since the last batch; ends once idle for idle_close_s."""
+        self._arm(self.idle_close_s)
+        try:
+            while True:
+                await self._ready.wait()
+                self._ready.clear()
+                if self._idle and not self.tasks and not self.pending:
+                    return
+                self._idle = False
+                batch, self.pending = self.pending, {}
+                if batch:
+                    yield batch
+        finally:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
 
 
 class Channels:
     """The open channels of one decode replica, by router replica id."""
 
-    def __init__(self) -> None:
+    def __init__(self, idle_close_s: float = IDLE_CLOSE_S) -> None:
         self.open: dict[str, Channel] = {}
+        self.idle_close_s = idle_close_s
 
     def cancel(self, request_id: str) -> bool:
         """Cancel R's generate call on whichever channel carries it (R is aborted there)."""
@@ -66,7 +114,7 @@ class Channels:
     async def serve(self, router: str) -> AsyncIterator[dict[str, list[TokenDelta]]]:
         """The router's batches until it closes the stream (a newer subscription of the same
         router takes over the name; requests already on this one stay on it)."""
-        channel = self.open[router] = Channel()
+        channel = self.open[router] = Channel(self.idle_close_s)
         try:
             async for batch in channel.batches():
                 yield batch

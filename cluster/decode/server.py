@@ -94,7 +94,7 @@ class DecodeServer:
         trace: dict[str, Any] = {"decode_replica": self.name}
         channel = self.channels.open.get(mux) if mux is not None else None
         if channel is not None:
-            channel.tasks[request_id] = asyncio.current_task()  # Channels.cancel aborts R through it
+            channel.attach(request_id, asyncio.current_task())  # Channels.cancel aborts R through it
         try:
             clock: list[float | None] = [None]  # R's last token's engine time
             if channel is not None:  # R's outputs go straight into the router's channel
@@ -115,7 +115,7 @@ class DecodeServer:
                 await stream.done()
         finally:
             if channel is not None:
-                channel.tasks.pop(request_id, None)
+                channel.detach(request_id)
             if self.connector is not None:
                 self.connector.cancel(request_id)
             # Closing runs as its own task: a caller that cancels us again while we wait must not

@@ -76,8 +76,10 @@ def test_no_prefill_replica_is_a_fast_503(serve_url, tiny_model_paths):
     args = {"model": str(tiny_model_paths["llama"]), "served_model_name": "tiny",
             "engine": {"num_blocks": 64}, "kv_transfer": {"connector": "shared_store"}}
     # a prefill pool that cannot be placed (this cluster has no "gpu_node" resource): 0 running
-    fresh(config(args, prefill=1, prefill_resources={"gpu_node": 1}), {"Router": 1, "DecodePool": 1, "PrefillPool": 0},
-          settled=False)
+    cfg = config(args, prefill=1, prefill_resources={"gpu_node": 1})
+    # (its replica never starts, so has nothing to drain, but deleting the app waits Serve's grace for it)
+    cfg["applications"][0]["deployments"][-1]["graceful_shutdown_timeout_s"] = 1
+    fresh(cfg, {"Router": 1, "DecodePool": 1, "PrefillPool": 0}, settled=False)
     start = time.monotonic()
     status, headers, body = post_chat(serve_url, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
     assert status == 503 and headers.get("retry-after") == "1", (status, body)

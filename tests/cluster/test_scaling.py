@@ -1,7 +1,7 @@
 """Must-show 4 of the cluster issue: under a steady request stream, redeploying the Serve config
 with 1P1D → 2P1D → 1P2D changes the pools (Serve's replica counts, and every new replica serves)
 and no request fails; then back to 1P1D, the leaving decode replica draining its streams
-(reliability fault 11: scale-down under load). Deployed the way `serve deploy configs/serve.yaml` deploys: the whole
+(reliability fault 11: scale-down under load), within seconds of its streams' end. Deployed the way `serve deploy configs/serve.yaml` deploys: the whole
 config, pool sizes and actor options from YAML, handed to the Serve controller. And with two
 prefill replicas, a conversation's next turn goes where its history is cached.
 """
@@ -81,11 +81,14 @@ def test_redeploying_pool_sizes_under_load_fails_no_request(serve_url):
         wait_for(pools_are(1, 2), 240, "1 prefill + 2 decode replicas")
         wait_for(lambda: len([n for n in per_replica(serve_url, "decode", "kv_landed").values() if n > 0]) == 2,
                  120, "both decode replicas to admit transferred KV")
-        # scale-down of the decode pool under load: the leaving replica drains its streams
+        # scale-down of the decode pool under load: the leaving replica drains its streams, and
+        # stops once they end (the router's channel to it closes when idle), not when Serve's
+        # grace period (graceful_shutdown_timeout_s, 20 s by default) runs out
         t_1p1d = time.monotonic()
         apply_config(sized(1, 1))
         wait_for(pools_are(1, 1), 240, "back to 1 prefill + 1 decode replica")
         t_end = time.monotonic()
+        assert t_end - t_1p1d < 15, f"the scale-down took {t_end - t_1p1d:.1f} s"
         wait_for(lambda: load.completed_since(t_end) >= 3, 120, "requests after the last change")
 
     assert not load.failures, load.failures

@@ -1,7 +1,8 @@
 """Multiplexed token streams without Ray (decode/channels.py, router/mux.py): a request's deltas
 come over its router's channel or its own stream, never lost between them; what arrived since
 the last read comes out at once; a channel that closes fails its requests as a lost replica
-would; closing a request's stream closes its call (the abort)."""
+would, and one left idle ends and is opened again by the next request; closing a request's
+stream closes its call (the abort)."""
 
 from __future__ import annotations
 
@@ -133,6 +134,46 @@ def test_a_channel_that_closes_fails_its_requests_as_a_lost_replica():
 
     first, closed = asyncio.run(go())
     assert [x.text for x in first] == ["a"] and closed
+
+
+def test_an_idle_channel_ends_without_failing_anything_and_the_next_request_opens_it_again():
+    """A channel is a request in flight to Serve: held open while idle, it would keep a decode
+    replica being scaled down from draining until Serve's grace period ran out."""
+    async def go():
+        channels = Channels(idle_close_s=0.05)
+        subscribed = []
+
+        def subscribe(replica: str):
+            subscribed.append(replica)
+            return channels.serve("r")
+
+        mux = Mux(subscribe, no_cancel)
+        await first_request(mux)
+        call, s, reading = await on_channel(mux, "b")
+        channel = channels.open["r"]
+        channel.attach("b", asyncio.current_task())  # as the decode replica does while b runs
+        await asyncio.sleep(0.15)  # longer than idle, but b is on it: it stays
+        open_while_used = "r" in channels.open and "d0" in mux.channels
+        channel.put("b", d("done", "stop"))
+        got = await reading
+        channel.detach("b")  # b finished there
+        call.items.put_nowait(None)
+        await asyncio.sleep(0.15)
+        closed_when_idle = "r" not in channels.open and "d0" not in mux.channels
+        nxt = Call()  # the next request finds no channel there: its own stream, and a new subscription
+        n = mux.stream("n", nxt)
+        nxt.items.put_nowait(StreamStart("d0", False))
+        nxt.items.put_nowait([d("again", "stop")])
+        again = await n.__anext__()
+        await settle()
+        reopened = "r" in channels.open
+        await mux.close()
+        return open_while_used, got, closed_when_idle, again, reopened, subscribed
+
+    open_while_used, got, closed_when_idle, again, reopened, subscribed = asyncio.run(go())
+    assert open_while_used and [x.text for x in got] == ["done"] and got[-1].finish_reason == "stop"
+    assert closed_when_idle and [x.text for x in again] == ["again"]
+    assert reopened and subscribed == ["d0", "d0"]
 
 
 def test_closing_a_stream_closes_its_call_and_an_error_on_it_is_raised():
