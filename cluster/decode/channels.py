@@ -13,7 +13,10 @@ notices a caller's cancel of a stream only when it next writes to it: so the rou
 a call (`cancel`, pinned to this replica), and a channel that closes (its router went away or
 gave it up) cancels every request still on it.
 A channel no request has used for IDLE_CLOSE_S ends its stream: the router opens it again when
-it next sees a request here. A channel is a request in flight to Serve, so one held open while
+it next sees a request here. A request that finds no channel goes on its own stream, and its
+StreamStart tells the router to subscribe; the router's next requests within SUBSCRIBE_WAIT_S
+wait for that subscription (`Channels.get`), so a burst after a pause goes over one channel, not
+one stream per request. A channel is a request in flight to Serve, so one held open while
 idle would keep a replica being removed (scale-down) from draining until Serve's
 graceful_shutdown_timeout_s (20 s by default) killed it.
 A batch is {request id: [deltas]}, everything put since the subscriber last looked: the deltas
@@ -32,6 +35,7 @@ from typing import AsyncIterator
 from cluster.engine.outputs import ChannelClosed, TokenDelta
 
 IDLE_CLOSE_S = 2.0
+SUBSCRIBE_WAIT_S = 0.2  # how long after a request told its router to subscribe the next ones wait for it
 
 
 class Channel:
@@ -101,6 +105,25 @@ class Channels:
     def __init__(self, idle_close_s: float = IDLE_CLOSE_S) -> None:
         self.open: dict[str, Channel] = {}
         self.idle_close_s = idle_close_s
+        self._told: dict[str, float] = {}  # router → when a request last went without its channel
+        self._opened: dict[str, asyncio.Event] = {}  # router → set when its channel opens
+
+    async def get(self, router: str) -> Channel | None:
+        """The router's channel here, or None: the request then goes on its own stream, and its
+        StreamStart has the router subscribe. Within SUBSCRIBE_WAIT_S of that, a request waits
+        for the subscription to arrive instead (None if it does not)."""
+        channel = self.open.get(router)
+        told = self._told.get(router)
+        if channel is not None or told is None or time.monotonic() - told > SUBSCRIBE_WAIT_S:
+            if channel is None:
+                self._told[router] = time.monotonic()
+            return channel
+        opened = self._opened.setdefault(router, asyncio.Event())
+        try:
+            await asyncio.wait_for(opened.wait(), told + SUBSCRIBE_WAIT_S - time.monotonic())
+        except asyncio.TimeoutError:
+            pass
+        return self.open.get(router)
 
     def cancel(self, request_id: str) -> bool:
         """Cancel R's generate call on whichever channel carries it (R is aborted there)."""
@@ -115,6 +138,10 @@ class Channels:
         """The router's batches until it closes the stream (a newer subscription of the same
         router takes over the name; requests already on this one stay on it)."""
         channel = self.open[router] = Channel(self.idle_close_s)
+        self._told.pop(router, None)
+        opened = self._opened.pop(router, None)
+        if opened is not None:
+            opened.set()
         try:
             async for batch in channel.batches():
                 yield batch

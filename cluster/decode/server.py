@@ -92,7 +92,7 @@ class DecodeServer:
         prompt = list(prompt_token_ids)
         stream = self.engine.open(request_id)
         trace: dict[str, Any] = {"decode_replica": self.name}
-        channel = self.channels.open.get(mux) if mux is not None else None
+        channel = await self.channels.get(mux) if mux is not None else None
         if channel is not None:
             channel.attach(request_id, asyncio.current_task())  # Channels.cancel aborts R through it
         try:
