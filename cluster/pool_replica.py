@@ -6,6 +6,7 @@ deployments subclass this."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from typing import Any
 
@@ -27,6 +28,8 @@ class PoolReplica:
         server.name = self.replica_id
         self.app_name = ctx.app_name
         self._poster: asyncio.Task | None = None
+        with contextlib.suppress(RuntimeError):  # Serve builds a replica on its event loop: post
+            self._ensure_posting()  # from the start, not from the first call or health check
 
     async def stats(self) -> dict[str, Any]:
         return {"pool": self.pool, "replica": self.replica_id, "pid": os.getpid(), "cpus": self.cpus.describe(),

@@ -4,6 +4,7 @@ holds a handle to the prefill pool and asks it for each request's prompt KV."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 from typing import Any, AsyncIterator, Sequence
 
@@ -18,6 +19,9 @@ from cluster.pool_replica import PoolReplica, on_cpu, one_torch_thread
 from cluster.kvtransfer.handoff import PrefillHandoff, PrefillReplicaLost, Receiver
 from cluster.sampling_params import SamplingParams
 from cluster.stats_board import PERIOD_S, board
+
+FIRST_VIEW_POLL_S = 0.05  # how often the decode replica looks for the prefill pool's first post
+
 
 class ServePrefillClient:
     """`PrefillClient` over the prefill pool's handle; acks are pinned to the replica that holds R."""
@@ -59,6 +63,8 @@ class DecodeDeployment(PoolReplica):
         super().__init__(DecodeServer(app), cpus)
         self.prefill = ServePrefillClient(prefill) if prefill is not None else None
         self._watcher: asyncio.Task | None = None
+        with contextlib.suppress(RuntimeError):  # (on Serve's event loop) placement reads the prefill
+            self._ensure_watching()  # pool from the start: its first requests are not placed blind
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        mux: str | None = None) -> AsyncIterator[list[TokenDelta] | StreamStart]:
@@ -81,7 +87,7 @@ class DecodeDeployment(PoolReplica):
         return self.server.channels.cancel(request_id)
 
     async def check_health(self) -> None:
-        self._ensure_watching()  # from the first health check on: placement knows the pool before a request
+        self._ensure_watching()  # again, should it have stopped
         await super().check_health()
 
     def _ensure_watching(self) -> None:
@@ -96,4 +102,5 @@ class DecodeDeployment(PoolReplica):
                 self.server.observe_prefill_pool(await b.read_pool.remote("prefill", list(PREFILL_POOL_KEYS)))
             except Exception:  # the board restarting: try again next period
                 b = board(self.app_name)
-            await asyncio.sleep(PERIOD_S)
+            # until the pool's first post is seen (both pools just started), look again soon
+            await asyncio.sleep(PERIOD_S if self.server.knows_prefill_pool else FIRST_VIEW_POLL_S)

@@ -184,6 +184,10 @@ class DecodeServer:
     def places_by_slo(self) -> bool:
         return self.importer is not None and bool(self.config.ttft_slo_ms or self.config.itl_slo_ms)
 
+    @property
+    def knows_prefill_pool(self) -> bool:
+        return self._prefill_pool is not None
+
     def observe_prefill_pool(self, replicas: list[dict[str, Any]]) -> None:
         """The prefill pool's replicas as last posted (PREFILL_POOL_KEYS of each): their queues and
         step cost, for placement by SLO."""

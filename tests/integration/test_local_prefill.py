@@ -341,3 +341,54 @@ def test_prefill_torch_threads_is_validated_with_the_app_config():
     for bad in (0, True, 1.5, "2"):
         with pytest.raises(ValueError, match="prefill_torch_threads must be an integer >= 1"):
             AppConfig.from_args({"prefill_torch_threads": bad})
+
+
+def test_a_decode_replica_looks_for_the_prefill_pool_from_its_start_until_it_sees_it(monkeypatch):
+    """Placement by SLO is blind (every prompt to the pool) until the decode replica has read the
+    prefill pool's posts, and both pools start together: it reads them from its start (its
+    constructor starts the watch, started by hand here), again every 50 ms until the pool's first
+    post is there, then every period."""
+    import asyncio
+    import time
+
+    from cluster.decode import deployment
+    from cluster.stats_board import PERIOD_S
+
+    reads: list[float] = []
+
+    class Board:
+        class read_pool:  # noqa: N801 (a Ray actor method's shape: .remote(...) → awaitable)
+            @staticmethod
+            async def remote(pool, keys):
+                reads.append(time.monotonic())
+                posted = len(reads) > 3  # the prefill replica's first post lands after three reads
+                return [{"step_fixed_s": 0.02, "step_s_per_token": 0.001, "posted_at": time.time()}] if posted else []
+
+    class Server:
+        places_by_slo = True
+        seen = None
+
+        @property
+        def knows_prefill_pool(self):
+            return self.seen is not None
+
+        def observe_prefill_pool(self, replicas):
+            if replicas and self.seen is None:
+                self.seen = time.monotonic()
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(deployment, "board", lambda app: Board())
+    replica = deployment.DecodeDeployment.func_or_class.__new__(deployment.DecodeDeployment.func_or_class)
+    replica.server, replica.app_name, replica.prefill, replica._watcher = Server(), "app", object(), None
+
+    async def go():
+        replica._ensure_watching()
+        await asyncio.sleep(0.2 + PERIOD_S)
+        replica._watcher.cancel()
+
+    asyncio.run(go())
+    gaps = [b - a for a, b in zip(reads, reads[1:])]
+    assert replica.server.seen is not None and replica.server.seen - reads[0] < 0.5 * PERIOD_S
+    assert all(g < 0.5 * PERIOD_S for g in gaps[:3]) and gaps[3] >= 0.9 * PERIOD_S
