@@ -45,32 +45,27 @@ class Channel:
         self.tasks: dict[str, asyncio.Task] = {}  # request id → the task streaming it here
         self.idle_close_s = idle_close_s  # 0: never
         self._ready = asyncio.Event()
-        self._idle_since = time.monotonic()
-        self._idle = False  # set by the timer: nothing used the channel for idle_close_s
-        self._timer: asyncio.TimerHandle | None = None
+        self._idle = False  # set by the timer: no request on the channel for idle_close_s
+        self._timer: asyncio.TimerHandle | None = None  # running while no request is on it
 
     def attach(self, request_id: str, task: asyncio.Task) -> None:
         """R streams here; `task` runs R (Channels.cancel cancels it)."""
         self.tasks[request_id] = task
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def detach(self, request_id: str) -> None:
         self.tasks.pop(request_id, None)
         if not self.tasks:
-            self._idle_since = time.monotonic()
-            self._arm(self.idle_close_s)
+            self._arm()
 
-    def _arm(self, delay: float) -> None:
+    def _arm(self) -> None:
         if self.idle_close_s and self._timer is None and not self.closed:
-            self._timer = asyncio.get_running_loop().call_later(delay, self._check_idle)
+            self._timer = asyncio.get_running_loop().call_later(self.idle_close_s, self._went_idle)
 
-    def _check_idle(self) -> None:
+    def _went_idle(self) -> None:
         self._timer = None
-        if self.tasks or self.closed:
-            return  # the last detach arms it again
-        left = self._idle_since + self.idle_close_s - time.monotonic()
-        if left > 0:  # used again since this timer was set
-            self._arm(left)
-            return
         self._idle = True
         self._ready.set()
 
@@ -82,7 +77,7 @@ class Channel:
 
     async def batches(self) -> AsyncIterator[dict[str, list[TokenDelta]]]:
         """Everything put since the last batch; ends once idle for idle_close_s."""
-        self._arm(self.idle_close_s)
+        self._arm()
         try:
             while True:
                 await self._ready.wait()

@@ -103,4 +103,4 @@ class DecodeDeployment(PoolReplica):
             except Exception:  # the board restarting: try again next period
                 b = board(self.app_name)
             # until the pool's first post is seen (both pools just started), look again soon
-            await asyncio.sleep(PERIOD_S if self.server.knows_prefill_pool else FIRST_VIEW_POLL_S)
+            await asyncio.sleep(PERIOD_S if self.server.has_seen_prefill_pool else FIRST_VIEW_POLL_S)

@@ -185,8 +185,9 @@ class DecodeServer:
         return self.importer is not None and bool(self.config.ttft_slo_ms or self.config.itl_slo_ms)
 
     @property
-    def knows_prefill_pool(self) -> bool:
-        return self._prefill_pool is not None
+    def has_seen_prefill_pool(self) -> bool:
+        """Whether a post of the prefill pool has reached this replica since its start."""
+        return self._pool_seen_at > 0
 
     def observe_prefill_pool(self, replicas: list[dict[str, Any]]) -> None:
         """The prefill pool's replicas as last posted (PREFILL_POOL_KEYS of each): their queues and

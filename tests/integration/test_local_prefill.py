@@ -369,7 +369,7 @@ def test_a_decode_replica_looks_for_the_prefill_pool_from_its_start_until_it_see
         seen = None
 
         @property
-        def knows_prefill_pool(self):
+        def has_seen_prefill_pool(self):
             return self.seen is not None
 
         def observe_prefill_pool(self, replicas):
