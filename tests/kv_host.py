@@ -51,7 +51,7 @@ class KVHost:
         except BaseException:
             self.exporter.fail(rid)
             raise
-        self.exporter.lease(rid)
+        self.exporter.lease(rid, handoff.receipt)
         return handoff
 
     def prefill_and_hold(self, rid: str, prompt: list[int], params) -> str:

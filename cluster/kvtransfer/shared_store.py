@@ -1,13 +1,14 @@
 """Shared CPU store connector: the Ray object store carries the packed KV.
 
     prefill: ref = ray.put(payload)      receipt = Receipt(msgpack header bytes, ref)
-    router:  passes the receipt along (the ref is borrowed, not resolved)
+    in between: the receipt rides in the prefill call's reply (the ref is borrowed, not resolved)
     decode:  check header → ray.get(ref) (zero-copy view on the same node; Ray moves it
              across nodes) → verify → unpack → drop the ref
 
-The object is freed when the last reference goes: the decode side drops its own after
-`receive`, the router after handing the receipt over. If the prefill actor (the owner) dies
-first, `ray.get` fails and that is a KVPeerGoneError.
+The object is freed when the last reference goes: the prefill side holds its own with R's
+lease until the ack (or the lease's end: prefill/exporter.py), the decode side drops its own
+after `receive`. If the prefill actor (the owner) dies first, `ray.get` fails and that is a
+KVPeerGoneError.
 
 `prefault=True` populates this process's page tables for its whole mapping of the store once,
 at start (`prefault_object_store`). Otherwise each process takes a page fault per 4 KiB page

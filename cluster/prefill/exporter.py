@@ -7,7 +7,8 @@ transfer holds up no step); every other method runs on it.
     pack(R's output, receiver)  → first token ended R: a finished PrefillHandoff, nothing held
                                 → else R's KV packed, but the blocks the receiver holds
     send(R's packed KV)         → connector.send → the PrefillHandoff (on an error: fail(R))
-    lease(R)                    → R's blocks are held until ack(R) or the lease expires
+    lease(R, receipt)           → R's blocks, and what its receipt refers to, are held until
+                                  ack(R) or the lease expires
     ack(R)                      → release R's blocks (late acks are counted, ignored)
     reap()                      → release every R whose lease expired unacknowledged
     fail(R) / drop(R)           → the send failed / R's caller went away: release R's blocks now
@@ -25,7 +26,7 @@ from cluster.engine.engine import LLMEngine
 from cluster.engine.outputs import PrefillResult, RequestOutput
 from cluster.kvtransfer.base import KVConnector
 from cluster.kvtransfer.errors import KVTransferError
-from cluster.kvtransfer.handoff import PrefillHandoff, Receiver
+from cluster.kvtransfer.handoff import PrefillHandoff, Receipt, Receiver
 
 
 class PackedKV(NamedTuple):
@@ -35,6 +36,11 @@ class PackedKV(NamedTuple):
     payload: torch.Tensor  # [L, 2, n, block_size, Hkv, D]
 
 
+class Lease(NamedTuple):
+    deadline: float  # the exporter's clock
+    receipt: Receipt | None  # held with the blocks: what R's KV is reached by until the ack
+
+
 class KVExporter:
     def __init__(self, engine: LLMEngine, connector: KVConnector, lease_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -42,7 +48,7 @@ class KVExporter:
         self.connector = connector
         self.lease_s = lease_s
         self.clock = clock
-        self.leases: dict[str, float] = {}
+        self.leases: dict[str, Lease] = {}
         self.counters: Counter[str] = Counter()
 
     def pack(self, out: RequestOutput, receiver: Receiver) -> PrefillHandoff | PackedKV:
@@ -76,9 +82,13 @@ class KVExporter:
                               kv_send_s=time.monotonic() - sending, kv_bytes=payload.numel() * payload.element_size(),
                               prompt_logprobs=result.prompt_logprobs, num_cached_tokens=result.num_cached_tokens)
 
-    def lease(self, request_id: str) -> None:
-        """R's KV was sent: its blocks stay held until the ack, or `lease_s` from now."""
-        self.leases[request_id] = self.clock() + self.lease_s
+    def lease(self, request_id: str, receipt: Receipt | None = None) -> None:
+        """R's KV was sent: its blocks stay held until the ack, or `lease_s` from now, and so
+        does `receipt`. A shared_store receipt refers to R's KV in Ray's object store; owned by
+        this process, it would otherwise live on only through the decode side's borrowed
+        reference, which reaches Ray's reference counting nested in the hand-off, and twice in a
+        64-request burst such an object was gone before the decode side read it (docs/performance.md)."""
+        self.leases[request_id] = Lease(self.clock() + self.lease_s, receipt)
 
     def fail(self, request_id: str) -> None:
         """R's send failed (not a lease yet): free its blocks at once."""
@@ -101,7 +111,7 @@ class KVExporter:
 
     def reap(self) -> list[str]:
         now = self.clock()
-        expired = [rid for rid, deadline in self.leases.items() if deadline <= now]
+        expired = [rid for rid, lease in self.leases.items() if lease.deadline <= now]
         for rid in expired:
             del self.leases[rid]
             self.engine.release(rid)

@@ -99,7 +99,7 @@ class PrefillServer:
             raise
         # queued, not awaited: the lease runs before any later command (the decode side's ack
         # comes after this hand-off), and the hand-off need not wait out the step in progress
-        self.engine.submit(self.exporter.lease, rid)
+        self.engine.submit(self.exporter.lease, rid, handoff.receipt)
         return handoff
 
     async def _close(self, request_id: str, cancelled: bool) -> None:
