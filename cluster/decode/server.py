@@ -51,11 +51,6 @@ PREFILL_POOL_KEYS = ("queued_work", "running_work", "step_fixed_s", "step_s_per_
 REPORT_LAG_S = 0.1  # a prompt sent this long before a report was collected is in it (a handle call's time)
 HANDOFF_EWMA = 0.2
 POOL_VIEW_STALE_S = 5.0  # a prefill pool view this old (its watcher failing) is not used
-# In a replica's first FIRST_VIEW_GRACE_S, a request to place by SLO before the prefill pool's
-# first post has been seen here waits up to FIRST_VIEW_WAIT_S for it: a deploy's first requests
-# are placed by the costs, not blind (the watcher reads every 50 ms until then: deployment.py)
-FIRST_VIEW_GRACE_S = 10.0
-FIRST_VIEW_WAIT_S = 0.2
 
 
 class DecodeServer:
@@ -85,7 +80,6 @@ class DecodeServer:
         # collected after they were sent shows them, or their prefill returns
         self._sent_since_report: dict[str, tuple[float, int]] = {}
         self._pool_seen_at = 0.0
-        self._started_at = time.monotonic()
         self._placing_here: dict[str, int] = {}  # placed here, not yet in the engine's queue: their tokens
         self._handoff_s = 0.01  # what a hand-off costs beyond the pool's queue and compute, lately (EWMA), s
 
@@ -107,8 +101,6 @@ class DecodeServer:
                 stream.divert(lambda out: channel.put(request_id, self._delta([out], trace, clock)))
             if mux is not None:
                 yield StreamStart(self.name, channel is not None)
-            if prefill is not None and self.places_by_slo and not self.has_seen_prefill_pool:
-                await self._first_pool_view()
             if prefill is None or self.importer is None or self._prefill_here(request_id, prompt, params, trace):
                 try:
                     await self.engine.add_request(request_id, prompt, params)
@@ -196,14 +188,6 @@ class DecodeServer:
     def has_seen_prefill_pool(self) -> bool:
         """Whether a post of the prefill pool has reached this replica since its start."""
         return self._pool_seen_at > 0
-
-    async def _first_pool_view(self) -> None:
-        """Wait (FIRST_VIEW_WAIT_S at most, in the replica's first FIRST_VIEW_GRACE_S) for the
-        prefill pool's first post to reach this replica; later, or without one, R is placed as
-        the costs known then allow ("costs not measured yet": the pool)."""
-        deadline = min(time.monotonic() + FIRST_VIEW_WAIT_S, self._started_at + FIRST_VIEW_GRACE_S)
-        while not self.has_seen_prefill_pool and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
 
     def observe_prefill_pool(self, replicas: list[dict[str, Any]]) -> None:
         """The prefill pool's replicas as last posted (PREFILL_POOL_KEYS of each): their queues and

@@ -249,52 +249,6 @@ def test_the_prefill_pools_estimate_counts_what_a_hand_off_costs_around_the_pool
         engine.step_cost, decode._handoff_s = real_fit, real_handoff
 
 
-def test_a_request_right_after_the_start_waits_briefly_for_the_prefill_pools_first_post(slo_pools):
-    """Both pools start together, and a deploy's first request can reach the decode replica
-    before the prefill pool's first post has: in the replica's first seconds it waits for that
-    post (up to FIRST_VIEW_WAIT_S) and is placed by the costs (here: a short prompt, local); later
-    a request with no view of the pool does not wait, and goes to the pool as before."""
-    import asyncio
-    import time
-
-    from cluster.decode import server as decode_server
-
-    decode = slo_pools["decode"]
-    engine = decode.engine.engine
-    real_fit = engine.step_cost
-    pool = [{"queued_work": [], "step_fixed_s": 0.040, "step_s_per_token": 0.001, "max_num_batched_tokens": 512}]
-    short = [5, 17, 29, 41, 53, 65, 77, 89, 101, 113]
-
-    async def placed(rid: str, post_after_s: float | None) -> tuple[dict, float]:
-        from cluster.prefill.server import LocalPrefillClient
-
-        if post_after_s is not None:
-            asyncio.get_running_loop().call_later(post_after_s, decode.observe_prefill_pool, pool)
-        started, trace = time.monotonic(), {}
-        async for deltas in decode.generate(rid, short, GREEDY, LocalPrefillClient(slo_pools["prefill"])):
-            trace = next((d.trace for d in deltas if d.trace), trace)
-        return trace, time.monotonic() - started
-
-    def just_started(ago_s: float) -> None:  # nothing seen of the prefill pool yet
-        decode._started_at, decode._prefill_pool, decode._pool_seen_at = time.monotonic() - ago_s, None, 0.0
-
-    try:
-        engine.step_cost = PinnedCost(0.030, 0.001)
-        just_started(0.0)
-        trace, _ = run(placed("first-after-start", post_after_s=0.05))
-        assert trace["placement"] == "local" and trace["kv"] == "slo: prefilled here (10 uncached tokens)", trace
-        just_started(decode_server.FIRST_VIEW_GRACE_S + 1)
-        trace, took = run(placed("later-no-view", post_after_s=None))
-        assert trace["placement_reason"] == "costs not measured yet" and trace["kv"] == "landed", trace
-        just_started(0.0)  # no post comes: it waits FIRST_VIEW_WAIT_S, then goes as before
-        trace, waited = run(placed("first-no-post", post_after_s=None))
-        assert trace["placement_reason"] == "costs not measured yet"
-        assert waited >= decode_server.FIRST_VIEW_WAIT_S and waited - took >= 0.5 * decode_server.FIRST_VIEW_WAIT_S
-    finally:
-        engine.step_cost = real_fit
-        decode.observe_prefill_pool(pool)
-
-
 def test_a_prompt_sent_to_the_prefill_pool_counts_in_its_queue_until_a_report_shows_it_or_it_is_back(slo_pools):
     """The pool's reports arrive a while after they were collected: a prompt sent since (a long
     one placed remote a moment ago) is in the pool's work the next placement sees, not forgotten:
