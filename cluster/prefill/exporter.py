@@ -38,7 +38,7 @@ class PackedKV(NamedTuple):
 
 class Lease(NamedTuple):
     deadline: float  # the exporter's clock
-    receipt: Receipt | None  # held with the blocks: what R's KV is reached by until the ack
+    receipt: Receipt  # held with the blocks: what R's KV is reached by until the ack
 
 
 class KVExporter:
@@ -82,7 +82,7 @@ class KVExporter:
                               kv_send_s=time.monotonic() - sending, kv_bytes=payload.numel() * payload.element_size(),
                               prompt_logprobs=result.prompt_logprobs, num_cached_tokens=result.num_cached_tokens)
 
-    def lease(self, request_id: str, receipt: Receipt | None = None) -> None:
+    def lease(self, request_id: str, receipt: Receipt) -> None:
         """R's KV was sent: its blocks stay held until the ack, or `lease_s` from now, and so
         does `receipt`. A shared_store receipt refers to R's KV in Ray's object store; owned by
         this process, it would otherwise live on only through the decode side's borrowed
