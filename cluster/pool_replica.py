@@ -8,19 +8,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from typing import Any
+from typing import Any, Sequence
 
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
 from cluster.config import EngineConfig
 from cluster.cpu_binding import CpuBinding, SharedBinding
+from cluster.kvtransfer.rendezvous import serve_peers_from
 from cluster.stats_board import post_forever
 
 
 class PoolReplica:
     pool: str  # "prefill" | "decode"
 
-    def __init__(self, server: Any, cpus: CpuBinding | SharedBinding) -> None:
+    def __init__(self, server: Any, cpus: CpuBinding | SharedBinding, peers: Sequence[DeploymentHandle] = ()) -> None:
+        """`peers`: the handles to other pools this replica was built with; its connector's
+        control calls go through them (kvtransfer/rendezvous.py)."""
         self.server = server  # PrefillServer | DecodeServer: stats(), routing_stats(), close()
         self.cpus = cpus  # the cores its threads run on (cluster/cpu_binding.py)
         ctx = serve.get_replica_context()
@@ -30,6 +34,7 @@ class PoolReplica:
         self._poster: asyncio.Task | None = None
         with contextlib.suppress(RuntimeError):  # Serve builds a replica on its event loop: post
             self._ensure_posting()  # from the start, not from the first call or health check
+            serve_peers_from(asyncio.get_running_loop(), {(h.app_name, h.deployment_name): h for h in peers})
 
     async def stats(self) -> dict[str, Any]:
         return {"pool": self.pool, "replica": self.replica_id, "pid": os.getpid(), "cpus": self.cpus.describe(),

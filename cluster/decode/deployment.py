@@ -60,7 +60,7 @@ class DecodeDeployment(PoolReplica):
         threads = one_torch_thread()
         cpus = cpu_binding.bind("decode", app.cpu_binding and on_cpu(app.engine), threads)  # before the
         # engine's threads start and its memory is first touched
-        super().__init__(DecodeServer(app), cpus)
+        super().__init__(DecodeServer(app), cpus, peers=[prefill] if prefill is not None else [])
         self.prefill = ServePrefillClient(prefill) if prefill is not None else None
         self._watcher: asyncio.Task | None = None
         with contextlib.suppress(RuntimeError):  # (on Serve's event loop) placement reads the prefill

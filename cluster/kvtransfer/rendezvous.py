@@ -1,11 +1,14 @@
 """Rendezvous for the collective connector without a TCPStore: a group's keys live in the
 sending connector (`KeyStore`); the receiving side reaches them through Ray actor calls on the
 sender's hosting actor (`control`), wrapped as a `torch.distributed.Store` (`TorchStore`).
-On Ray Serve the hosting actor is a pool replica, reached by deployment handle + replica id.
+On Ray Serve the hosting actor is a pool replica, reached by deployment handle + replica id,
+each call made on the replica's own event loop through the handle the replica was built with
+(`serve_peers_from`), never through a second handle to the same deployment made in a thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
@@ -106,6 +109,38 @@ def current_actor() -> Any:
                           "(groups rendezvous through the hosting actor's kv_control)")
 
 
+class _ServePeers:
+    """How this replica process reaches peer replicas: on its event loop, through the handles it
+    was built with. A second handle to a deployment this process already has a handle to,
+    made later, can miss the deployment's replicas for good (Ray Serve 2.60's shared long poll
+    can stop the new router's first poll before its first update lands: seen as a collective
+    receiver whose store calls never reached the sender, every group formation timing out
+    for the replica's life)."""
+
+    def __init__(self) -> None:
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.handles: dict[tuple[str, str], Any] = {}
+
+    def handle(self, app: str, deployment: str) -> Any:
+        """Called on `loop`: the handle this replica was built with, else one made here, once."""
+        key = (app, deployment)
+        if key not in self.handles:
+            from ray import serve
+
+            self.handles[key] = serve.get_deployment_handle(deployment, app)
+        return self.handles[key]
+
+
+_peers = _ServePeers()
+
+
+def serve_peers_from(loop: asyncio.AbstractEventLoop, handles: dict[tuple[str, str], Any]) -> None:
+    """A pool replica, on its event loop: make this process's control calls on `loop`, through
+    `handles` ((app, deployment) → the DeploymentHandle the replica was built with)."""
+    _peers.loop = loop
+    _peers.handles.update(handles)
+
+
 def control(actor: Any, op: str, args: dict[str, Any], timeout_s: float) -> Any:
     """One `kv_control` call on a peer's hosting actor or replica; failures become typed errors.
     Called from plain threads (never from an event loop: it blocks)."""
@@ -114,10 +149,7 @@ def control(actor: Any, op: str, args: dict[str, Any], timeout_s: float) -> Any:
 
     try:
         if isinstance(actor, ServeReplica):
-            from ray import serve
-
-            handle = serve.get_deployment_handle(actor.deployment, actor.app)
-            return handle.kv_control.remote(op, args, replica_id=actor.replica_id).result(timeout_s=timeout_s)
+            return _on_replica_loop(actor, op, args, timeout_s)
         return ray.get(actor.kv_control.remote(op, args), timeout=timeout_s)
     except (rex.GetTimeoutError, TimeoutError):
         raise KVTimeoutError(f"peer did not answer {op!r} within {timeout_s:.1f}s") from None
@@ -128,3 +160,32 @@ def control(actor: Any, op: str, args: dict[str, Any], timeout_s: float) -> Any:
         if isinstance(cause, KVTransferError):
             raise type(cause)(str(cause)) from None
         raise KVTransferError(f"peer failed {op!r}: {cause!r}") from None
+
+
+def _on_replica_loop(peer: ServeReplica, op: str, args: dict[str, Any], timeout_s: float) -> Any:
+    loop = _peers.loop
+    if loop is None or loop.is_closed():  # not in a pool replica that said where: a handle of our own
+        from ray import serve
+
+        handle = serve.get_deployment_handle(peer.deployment, peer.app)
+        return handle.kv_control.remote(op, args, replica_id=peer.replica_id).result(timeout_s=timeout_s)
+
+    if _running_loop() is loop:
+        raise KVTransferError("control() blocks: call it from a thread, not the replica's event loop")
+
+    async def call() -> Any:
+        return await _peers.handle(peer.app, peer.deployment).kv_control.remote(op, args, replica_id=peer.replica_id)
+
+    future = asyncio.run_coroutine_threadsafe(call(), loop)
+    try:
+        return future.result(timeout_s)
+    except TimeoutError:
+        future.cancel()
+        raise
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
