@@ -15,7 +15,6 @@ from ray.serve.handle import DeploymentHandle
 
 from cluster.config import EngineConfig
 from cluster.cpu_binding import CpuBinding, SharedBinding
-from cluster.kvtransfer.rendezvous import serve_peers_from
 from cluster.stats_board import post_forever
 
 
@@ -25,6 +24,8 @@ class PoolReplica:
     def __init__(self, server: Any, cpus: CpuBinding | SharedBinding, peers: Sequence[DeploymentHandle] = ()) -> None:
         """`peers`: the handles to other pools this replica was built with; its connector's
         control calls go through them (kvtransfer/rendezvous.py)."""
+        from cluster.kvtransfer.rendezvous import serve_peers_from  # (torch.distributed)
+
         self.server = server  # PrefillServer | DecodeServer: stats(), routing_stats(), close()
         self.cpus = cpus  # the cores its threads run on (cluster/cpu_binding.py)
         ctx = serve.get_replica_context()

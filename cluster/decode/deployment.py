@@ -13,7 +13,6 @@ from ray.serve.handle import DeploymentHandle
 
 from cluster import cpu_binding
 from cluster.config import SHUTDOWN_POLL_S, AppConfig
-from cluster.decode.server import PREFILL_POOL_KEYS, DecodeServer
 from cluster.engine.outputs import StreamStart, TokenDelta
 from cluster.pool_replica import PoolReplica, on_cpu, one_torch_thread
 from cluster.kvtransfer.handoff import PrefillHandoff, PrefillReplicaLost, Receiver
@@ -56,6 +55,8 @@ class DecodeDeployment(PoolReplica):
     pool = "decode"
 
     def __init__(self, config: dict[str, Any], prefill: DeploymentHandle | None = None) -> None:
+        from cluster.decode.server import DecodeServer  # (torch: here, not where the app is built)
+
         app = AppConfig.from_args(config)
         threads = one_torch_thread()
         cpus = cpu_binding.bind("decode", app.cpu_binding and on_cpu(app.engine), threads)  # before the
@@ -96,6 +97,8 @@ class DecodeDeployment(PoolReplica):
 
     async def _watch_prefill_pool(self) -> None:
         """Keep the prefill pool's last posted load and step cost at hand for placement by SLO."""
+        from cluster.decode.server import PREFILL_POOL_KEYS
+
         b = board(self.app_name)
         while True:
             try:

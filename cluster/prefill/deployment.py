@@ -11,7 +11,6 @@ from cluster import cpu_binding
 from cluster.config import SHUTDOWN_POLL_S, AppConfig
 from cluster.kvtransfer.handoff import PrefillHandoff, Receiver
 from cluster.pool_replica import PoolReplica, on_cpu, one_torch_thread
-from cluster.prefill.server import PrefillServer
 from cluster.sampling_params import SamplingParams
 
 
@@ -21,6 +20,8 @@ class PrefillDeployment(PoolReplica):
     pool = "prefill"
 
     def __init__(self, config: dict[str, Any]) -> None:
+        from cluster.prefill.server import PrefillServer  # (torch: here, not where the app is built)
+
         app = AppConfig.from_args(config)
         one_torch_thread(app.prefill_torch_threads)
         cpus = cpu_binding.bind("prefill", app.cpu_binding and on_cpu(app.engine))  # the cores decode leaves
