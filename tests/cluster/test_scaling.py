@@ -152,7 +152,7 @@ def test_the_prefill_pool_autoscales_on_the_prompt_tokens_queued_to_compute(serv
     config = load_config("serve-autoscaling.yaml")
     for d in config["applications"][0]["deployments"]:
         if "autoscaling_config" in d:
-            d["autoscaling_config"].update(upscale_delay_s=1, downscale_delay_s=5, look_back_period_s=2)
+            d["autoscaling_config"].update(upscale_delay_s=1, downscale_delay_s=2, look_back_period_s=2)
     apply_config(config)
     wait_for(pools_are(1, 1), 240, "1 prefill + 1 decode replica")
     c = client(serve_url)
