@@ -34,7 +34,8 @@ class PoolReplica:
         self.app_name = ctx.app_name
         self._poster: asyncio.Task | None = None
         with contextlib.suppress(RuntimeError):  # Serve builds a replica on its event loop: post
-            self._ensure_posting()  # from the start, not from the first call or health check
+            self._ensure_posting()  # from the start, not from the first call or health check,
+            # and make the connector's control calls on this loop, through the handles built with it
             serve_peers_from(asyncio.get_running_loop(), {(h.app_name, h.deployment_name): h for h in peers})
 
     async def stats(self) -> dict[str, Any]:
