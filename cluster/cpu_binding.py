@@ -9,6 +9,7 @@
                             raise its priority (root, CAP_SYS_NICE, or an RLIMIT_NICE that
                             allows it); elsewhere at the one Ray gave them (a worker's Python
                             threads: nice 15, RAY_worker_niceness)
+    Serve's proxy           raised with the routers on its node (their priority, not their cores)
     decode replica          pinned, runs its threads at nice OWN_NICE (0) where it may, while
                             some core of the node is left to the others
 
@@ -107,11 +108,11 @@ def allowed_cores() -> set[int]:
     return set(os.sched_getaffinity(0)) if supported() else set(range(os.cpu_count() or 1))
 
 
-def each_thread(apply: Callable[[int], Any]) -> dict[int, Any]:
-    """`apply(tid)` for every thread of this process; {tid: its result} for those still there
-    (a thread may exit meanwhile)."""
+def each_thread(apply: Callable[[int], Any], pid: int | str = "self") -> dict[int, Any]:
+    """`apply(tid)` for every thread of this process (or of `pid`); {tid: its result} for those
+    still there (a thread may exit meanwhile)."""
     out = {}
-    for tid in os.listdir("/proc/self/task"):
+    for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             out[int(tid)] = apply(int(tid))
         except OSError:  # the thread exited meanwhile
@@ -143,6 +144,29 @@ def pin_process(cores: set[int]) -> None:
     """Every thread of this process runs on `cores` from now on (threads it starts later inherit
     their starter's cores, so they stay there too)."""
     each_thread(lambda tid: os.sched_setaffinity(tid, cores))
+
+
+PROXY_TITLE = b"ray::ProxyActor"  # Ray Serve's HTTP/gRPC proxy, by its process title
+
+
+def serve_proxies() -> list[int]:
+    """The Ray Serve proxies of this process's own Ray node: processes titled as Serve's proxy
+    that the same parent (the node's raylet, which starts every worker) started. Another Ray
+    cluster's proxies on the same machine are left alone."""
+    found, parent = [], os.getppid()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:  # "pid (comm) state ppid ...": comm may hold spaces
+                if int(f.read().rsplit(b")", 1)[1].split()[1]) != parent:
+                    continue
+            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                if f.read(len(PROXY_TITLE)) == PROXY_TITLE:
+                    found.append(int(entry.name))
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+    return found
 
 
 _held: dict[int, IO[str]] = {}  # this process's claimed cores' lock files, open for its life
@@ -264,11 +288,15 @@ class SharedBinding:
     core is left to them (where the OS allows it: raise_priority), at their own otherwise (on a
     GPU node, or when decode replicas hold every core and this process runs on theirs)."""
 
-    def __init__(self, directory: Path | None = None, refresh_s: float = REFRESH_S, nice: int | None = None) -> None:
+    def __init__(self, directory: Path | None = None, refresh_s: float = REFRESH_S, nice: int | None = None,
+                 proxies: bool = False) -> None:
+        """`proxies`: the node's Serve proxies run at its raised priority too (a router's binding:
+        the proxy is the other hop of every token's HTTP path)."""
         self.directory = directory or lock_dir()
         self.all = allowed_cores()  # what it may run on before pinning (its own affinity changes)
         self.cores: tuple[int, ...] = tuple(sorted(self.all))  # unpinned: what it starts on
         self.priority = Priority(nice) if nice is not None else None
+        self.proxies: dict[int, dict[int, int]] | None = {} if proxies else None  # pid → its threads' nice before
         self.refresh()
         _every(refresh_s, self.refresh, "tandem-cpu-binding")
 
@@ -285,6 +313,31 @@ class SharedBinding:
         if self.priority is not None:  # raised on cores of its own beside a decode replica's; running
             # anywhere, decode replicas' cores too: as Ray started it
             self.priority.hold(bool(held and self.all - held))
+        if self.proxies is not None:
+            self._raise_proxies()
+
+    def _raise_proxies(self) -> None:
+        """The node's Serve proxies at this process's raised priority while it holds one, as they
+        were otherwise; where the OS refuses, as they are. Ray starts them at nice 15: behind a
+        prompt's prefill at SHARED_NICE they held every stream's tokens for as long as the prompt
+        took (the mixed load's ITL p99 255-298 ms, against 80-116 raised; docs/performance.md).
+        Not pinned: beside the prefill replica they would double a long prompt's time to its
+        first token; the kernel's balancer places them."""
+        raised = self.priority is not None and self.priority.raised is not None
+        pids = serve_proxies()
+        for gone in set(self.proxies) - set(pids):
+            del self.proxies[gone]
+        for pid in pids:
+            try:
+                if raised:
+                    self.proxies.setdefault(pid, each_thread(lambda tid: os.getpriority(os.PRIO_PROCESS, tid), pid))
+                    each_thread(lambda tid: os.setpriority(os.PRIO_PROCESS, tid, self.priority.nice), pid)
+                elif pid in self.proxies:
+                    before = self.proxies.pop(pid)
+                    default = max(before.values(), default=0)
+                    each_thread(lambda tid: os.setpriority(os.PRIO_PROCESS, tid, before.get(tid, default)), pid)
+            except OSError:  # gone meanwhile, or not ours to change
+                continue
 
 
 def cpu_quota() -> float | None:
@@ -304,7 +357,8 @@ def cpu_quota() -> float | None:
 
 def bind(role: str, enabled: bool, threads: int = 1) -> CpuBinding | SharedBinding:
     """A replica's binding: "decode" claims `threads` cores of its own (at OWN_NICE), any other
-    role shares the rest, at a raised priority (SHARED_NICE). Nothing is pinned when not
+    role shares the rest, at a raised priority (SHARED_NICE), a router raising the node's Serve
+    proxies with it (SharedBinding's `proxies`). Nothing is pinned when not
     `enabled`, not on Linux, or in a container whose CPU quota is less than the cores it sees (a
     Kubernetes pod in the node's shared pool: the other pods run on those cores too, and their
     claims are out of sight)."""
@@ -316,4 +370,4 @@ def bind(role: str, enabled: bool, threads: int = 1) -> CpuBinding | SharedBindi
         return CpuBinding("none", ())
     if role == "decode":
         return claim_own(threads, nice=OWN_NICE)
-    return SharedBinding(nice=SHARED_NICE)
+    return SharedBinding(nice=SHARED_NICE, proxies=role == "router")

@@ -27,8 +27,9 @@ early = threading.Thread(target=threading.Event().wait, daemon=True)  # started 
 early.start()
 if role == "own":
     binding = cpu_binding.claim_own(1, directory, nice=cpu_binding.OWN_NICE, refresh_s=0.1)
-else:
-    binding = cpu_binding.SharedBinding(directory, refresh_s=0.1, nice=cpu_binding.SHARED_NICE)
+else:  # "shared", or "router": the node's Serve proxies raised with it
+    binding = cpu_binding.SharedBinding(directory, refresh_s=0.1, nice=cpu_binding.SHARED_NICE,
+                                        proxies=role == "router")
 for line in sys.stdin:  # each line asks for a report
     print(json.dumps({**binding.describe(), "process": sorted(os.sched_getaffinity(0)),
                       "early_thread": sorted(os.sched_getaffinity(early.native_id)),
@@ -147,6 +148,50 @@ def priority_child(nice: int, *, preexec=None) -> dict:
     out = subprocess.run([sys.executable, "-c", PRIORITY_CHILD, str(nice)], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(repo)}, preexec_fn=preexec, timeout=60, check=True)
     return json.loads(out.stdout)
+
+
+def test_a_router_raises_the_nodes_serve_proxy_with_it_and_lets_it_go_after(tmp_path):
+    """Ray starts Serve's proxy at its workers' low priority; a router running raised beside a
+    decode replica raises the proxy (every thread) to its own priority, and puts it back when
+    it runs as Ray started it (no decode replica holds a core). Another process, and a proxy
+    another parent started (another Ray node on the machine), are left alone."""
+    cores = sorted(cpu_binding.allowed_cores())
+    if len(cores) < 2 or not may_raise():
+        pytest.skip("needs 2 cores and the right to raise a priority (root or CAP_SYS_NICE)")
+    start = lambda title: subprocess.Popen(["bash", "-c", f'exec -a "{title}" sleep 120'],  # noqa: E731
+                                           preexec_fn=lambda: os.setpriority(os.PRIO_PROCESS, 0, START_NICE))
+    proxy, other = start("ray::ProxyActor"), start("ray::SomethingElse")
+    # another Ray node's proxy on the same machine: started by another parent than the router's
+    elsewhere = subprocess.Popen(["bash", "-c", '(exec -a "ray::ProxyActor" sleep 120) & echo $!; wait'],
+                                 stdout=subprocess.PIPE, text=True,
+                                 preexec_fn=lambda: os.setpriority(os.PRIO_PROCESS, 0, START_NICE))
+    foreign = int(elsewhere.stdout.readline())
+    decode = Child("own", tmp_path)
+    router = None
+    try:
+        decode.report()
+        router = Child("router", tmp_path)
+        wait_report(router, cores[1:], nice=cpu_binding.SHARED_NICE)
+        nice = lambda pid: os.getpriority(os.PRIO_PROCESS, pid)  # noqa: E731
+        deadline = time.monotonic() + 5
+        while nice(proxy.pid) != cpu_binding.SHARED_NICE and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert nice(proxy.pid) == cpu_binding.SHARED_NICE and nice(other.pid) == START_NICE
+        assert nice(foreign) == START_NICE
+        decode.stop()  # no decode replica: the router runs as it started, and the proxy too
+        wait_report(router, cores, nice=START_NICE)
+        deadline = time.monotonic() + 5
+        while nice(proxy.pid) != START_NICE and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert nice(proxy.pid) == START_NICE
+    finally:
+        for child in (decode, router):
+            if child is not None:
+                child.stop()
+        os.kill(foreign, 9)
+        for p in (proxy, other, elsewhere):
+            p.kill()
+            p.wait(timeout=10)
 
 
 def may_raise() -> bool:
