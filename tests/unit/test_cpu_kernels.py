@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from kernels import CPU_OPS, REFERENCE_OPS, ops_for, ref_paged_decode_attention
-from kernels.cpu_paged_attention import cpu_paged_decode_attention, cpu_prefill_attention
+from kernels import AMX_CPU_OPS, CPU_OPS, REFERENCE_OPS, cpu_paged_attention, ops_for, ref_paged_decode_attention
+from kernels.cpu_paged_attention import amx_prefill_attention, cpu_paged_decode_attention, cpu_prefill_attention
 
 
 def _case(batch, q_heads, kv_heads, dim, block_size, lens, seed=0):
@@ -139,9 +139,43 @@ def test_cpu_prefill_kernel_rejects_bad_arguments():
         cpu_prefill_attention(q[..., :48], k[..., :48], k[..., :48], 0.1)  # D not a multiple of 64
 
 
-def test_engine_uses_the_kernel_on_cpu_float32_and_the_torch_path_otherwise():
+@pytest.mark.parametrize("n,ctx", [(512, 512), (488, 1000), (37, 37), (1, 1), (70, 129), (5, 300)])
+def test_amx_prefill_in_bf16_products_is_dense_attention_within_bf16_rounding(n, ctx):
+    """torch's fused SDPA in bf16 (a CPU with AMX runs it as tile instructions; elsewhere it is
+    only slower): the same contract and bounds as the C kernel's bf16 products."""
+    gen = torch.Generator().manual_seed(n + ctx)
+    q = torch.randn(n, 9, 64, generator=gen)
+    k, v = (torch.randn(ctx, 3, 64, generator=gen).bfloat16().float() for _ in range(2))
+    want = _dense_causal(q, k, v, 0.125)
+    got = amx_prefill_attention(q, k, v, 0.125, torch.bfloat16)
+    assert got.dtype == torch.float32 and got.shape == q.shape
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    assert (got - want).abs().mean() < 2e-3
+    # a prompt's rows come out the same whether it is prefilled whole or in two chunks
+    if n == ctx and n > 64:
+        second = amx_prefill_attention(q[64:], k, v, 0.125, torch.bfloat16)
+        torch.testing.assert_close(second, got[64:], atol=1e-2, rtol=0)
+
+
+def test_amx_prefill_keeps_the_c_kernel_for_float32_products_and_checks_shapes():
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(40, 9, 64, generator=gen), torch.randn(60, 3, 64, generator=gen), torch.randn(60, 3, 64,
+                                                                                                          generator=gen)
+    assert torch.equal(amx_prefill_attention(q, k, v, 0.1), cpu_prefill_attention(q, k, v, 0.1))
+    with pytest.raises(ValueError, match="does not fit"):
+        amx_prefill_attention(q, k[:3], v[:3], 0.1, torch.bfloat16)  # more queries than context
+    with pytest.raises(ValueError, match="does not fit"):
+        amx_prefill_attention(q, k, v[:, :, :32], 0.1, torch.bfloat16)
+
+
+def test_engine_uses_the_kernel_on_cpu_float32_and_the_torch_path_otherwise(monkeypatch):
+    monkeypatch.setattr(cpu_paged_attention, "amx_bf16", lambda: False)
     assert ops_for(torch.device("cpu"), torch.float32) is CPU_OPS
     assert CPU_OPS.prefill_attention is cpu_prefill_attention and REFERENCE_OPS.prefill_attention is None
+    monkeypatch.setattr(cpu_paged_attention, "amx_bf16", lambda: True)  # the one difference on an AMX CPU
+    assert ops_for(torch.device("cpu"), torch.float32) is AMX_CPU_OPS
+    assert AMX_CPU_OPS == CPU_OPS._replace(prefill_attention=amx_prefill_attention)
+    monkeypatch.undo()
     assert ops_for(torch.device("cpu"), torch.bfloat16) is REFERENCE_OPS
     # TANDEM_CPU_KERNELS=0 turns it off (A/B benches): a fresh process sees the torch path
     code = ("import torch; from kernels import ops_for, REFERENCE_OPS; "
