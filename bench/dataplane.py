@@ -94,15 +94,13 @@ def chat_prompts(model: Path, n: int, workload: Workload) -> list[list[int]]:
     return [tok.encode_chat([{"role": "user", "content": prompt_for(workload, i)}]) for i in range(n)]
 
 
-# -- the engine alone ------------------------------------------------------------------
 def median_run(runs: list[dict[str, Any]], key: str = "tok_s") -> dict[str, Any]:
-    """The run with the median `key` (the lower middle of an even count), every run's `key` beside it:
-    a load of 64 streams lasts seconds, and this machine's speed moves by more than the
-    difference measured within minutes."""
+    """The run with the median `key` (the lower middle of an even count), every run's `key` beside it."""
     ranked = sorted(runs, key=lambda r: r[key])
     return {**ranked[(len(ranked) - 1) // 2], f"{key}_runs": [r[key] for r in runs]} if len(runs) > 1 else runs[0]
 
 
+# -- the engine alone ------------------------------------------------------------------
 def engine_alone(args: dict[str, Any], model: Path, streams: list[int], tokens: int,
                  repeats: int = 1) -> dict[str, Any]:
     import torch

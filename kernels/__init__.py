@@ -15,16 +15,16 @@ from kernels.cpu_layer_ops import cpu_add_rms_norm, cpu_decode_attention, cpu_ro
 from kernels.cpu_paged_attention import amx_prefill_attention, cpu_paged_decode_attention, cpu_prefill_attention
 from kernels.pack_kv import pack_kv, unpack_kv
 from kernels.paged_attention import paged_decode_attention
-from kernels.reference import (ref_pack_kv, ref_paged_decode_attention, ref_store_kv,
-                               ref_unpack_kv)
+from kernels.reference import (ref_pack_kv, ref_paged_decode_attention, ref_store_kv, ref_unpack_kv,
+                               sdpa_causal_attention)
 from kernels.store_kv import store_kv
 
 __all__ = [
-    "KernelOps", "ops_for", "CPU_OPS", "AMX_CPU_OPS", "REFERENCE_OPS", "TRITON_OPS",
+    "KernelOps", "ops_for",
     "store_kv", "paged_decode_attention", "pack_kv", "unpack_kv",
     "cpu_paged_decode_attention", "cpu_prefill_attention", "amx_prefill_attention", "cpu_add_rms_norm", "cpu_rope_", "cpu_silu_mul",
     "cpu_store_kv", "cpu_decode_attention",
-    "ref_store_kv", "ref_paged_decode_attention", "ref_pack_kv", "ref_unpack_kv",
+    "ref_store_kv", "ref_paged_decode_attention", "ref_pack_kv", "ref_unpack_kv", "sdpa_causal_attention",
 ]
 
 

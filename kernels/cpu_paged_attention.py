@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from kernels.reference import sdpa_causal_attention
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".c")
@@ -199,7 +201,7 @@ def cpu_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
 def amx_bf16() -> bool:
     """This CPU multiplies bf16 tiles (AMX-BF16: Intel Sapphire Rapids and later), where torch's
     fused CPU attention runs its bf16 products as tile instructions."""
-    return " amx_bf16" in _cpu_flags() + " "
+    return "amx_bf16" in _cpu_flags().split()
 
 
 def amx_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
@@ -218,13 +220,4 @@ def amx_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
     if key.shape != value.shape or key.shape[2] != head_dim or num_heads % key.shape[1] or n > ctx:
         raise ValueError(f"query {tuple(query.shape)} does not fit key {tuple(key.shape)} / value "
                          f"{tuple(value.shape)}")
-    # [1, H, n|ctx, D] (with a batch dimension torch takes its fused kernel, not the math path)
-    qh, kh, vh = (t.to(torch.bfloat16).transpose(0, 1).unsqueeze(0) for t in (query, key, value))
-    if n == ctx:
-        out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
-                                                               enable_gqa=True)
-    else:  # query i is position ctx - n + i: it sees keys up to there
-        mask = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]
-        out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
-                                                               enable_gqa=True)
-    return out[0].transpose(0, 1).to(query.dtype)
+    return sdpa_causal_attention(query, key, value, scale, torch.bfloat16)

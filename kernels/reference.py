@@ -64,6 +64,26 @@ def ref_paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cac
     return out.reshape(batch, num_heads, head_dim).to(query.dtype)
 
 
+def sdpa_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                          dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Causal attention of a prefill chunk through torch's SDPA: query [n, Hq, D] are the last n
+    of the ctx positions in key/value [ctx, Hkv, D] (query i sees positions <= ctx - n + i) → [n,
+    Hq, D] in query's dtype, computed in `dtype` (default: query's). With a batch dimension
+    ([1, H, n|ctx, D]) torch's CPU SDPA takes its fused flash kernel; 3-D inputs take the unfused
+    math path, which at 1,024 tokens costs ~4x as much (79 vs 19 ms a layer, one thread)."""
+    n, ctx = query.shape[0], key.shape[0]
+    qh, kh, vh = (t.to(dtype or query.dtype).transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+    if n == ctx:
+        out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
+                                                               enable_gqa=True)
+    else:
+        rows = torch.arange(ctx - n, ctx, device=query.device)[:, None]
+        mask = torch.arange(ctx, device=query.device)[None, :] <= rows  # [n, ctx]
+        out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
+                                                               enable_gqa=True)
+    return out[0].transpose(0, 1).to(query.dtype)
+
+
 def _as_index(block_ids: torch.Tensor | list[int], device: torch.device) -> torch.Tensor:
     if isinstance(block_ids, torch.Tensor):
         return block_ids.to(device=device, dtype=torch.long)

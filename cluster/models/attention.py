@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import KernelOps
+from kernels import KernelOps, sdpa_causal_attention
 
 
 @dataclass(frozen=True)
@@ -204,15 +204,4 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     if (ops is not None and ops.prefill_attention is not None and q.shape[-1] % 64 == 0
             and torch.get_num_threads() == 1):
         return ops.prefill_attention(q, k, v, scale, kv_dtype or q.dtype)
-    n, ctx = q.shape[0], k.shape[0]
-    # [1, H, n|ctx, D]: with a batch dimension torch's CPU SDPA takes its fused flash kernel;
-    # 3-D inputs take the unfused math path, which at 1,024 tokens costs ~4x as much (79 vs
-    # 19 ms a layer, one thread) and dominated long prefills.
-    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-    if n == ctx:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
-    else:
-        rows = torch.arange(ctx - n, ctx, device=q.device)[:, None]
-        mask = torch.arange(ctx, device=q.device)[None, :] <= rows  # [n, ctx]
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out[0].transpose(0, 1)
+    return sdpa_causal_attention(q, k, v, scale)

@@ -159,8 +159,8 @@ def test_amx_prefill_in_bf16_products_is_dense_attention_within_bf16_rounding(n,
 
 def test_amx_prefill_keeps_the_c_kernel_for_float32_products_and_checks_shapes():
     gen = torch.Generator().manual_seed(5)
-    q, k, v = torch.randn(40, 9, 64, generator=gen), torch.randn(60, 3, 64, generator=gen), torch.randn(60, 3, 64,
-                                                                                                          generator=gen)
+    q = torch.randn(40, 9, 64, generator=gen)
+    k, v = (torch.randn(60, 3, 64, generator=gen) for _ in range(2))
     assert torch.equal(amx_prefill_attention(q, k, v, 0.1), cpu_prefill_attention(q, k, v, 0.1))
     with pytest.raises(ValueError, match="does not fit"):
         amx_prefill_attention(q, k[:3], v[:3], 0.1, torch.bfloat16)  # more queries than context
