@@ -55,11 +55,13 @@ TANDEM_VARIANTS = {"disaggregated_prefill_2t": ("configs/serve.yaml", {"prefill_
                    "disaggregated_nospec": ("configs/serve.yaml", {"speculative_config": None}),
                    "disaggregated_ngram": ("configs/serve.yaml", {"speculative_config": {"method": "ngram"}}),
                    "disaggregated_suffix": ("configs/serve.yaml", {"speculative_config": {"method": "suffix"}})}
-VLLM_ENV = {"vllm": {}, "vllm_omp2": {"OMP_NUM_THREADS": "2"}, "vllm_bf16": {}, "vllm_bf16_ngram": {}}
-VLLM_DTYPE = {"vllm_bf16": "bfloat16", "vllm_bf16_ngram": "bfloat16"}  # named in --systems only; the others run float32
+# vllm_ngram and the bf16 ones are named in --systems only
+VLLM_ENV = {"vllm": {}, "vllm_omp2": {"OMP_NUM_THREADS": "2"}, "vllm_ngram": {}, "vllm_bf16": {}, "vllm_bf16_ngram": {}}
+VLLM_DTYPE = {"vllm_bf16": "bfloat16", "vllm_bf16_ngram": "bfloat16"}  # the others run float32
 # vLLM's prompt-lookup speculation with the settings Tandem's ngram defaults to (docs/speculative.md)
-VLLM_ARGS = {"vllm_bf16_ngram": ("--speculative-config", json.dumps(
-    {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 5}))}
+_VLLM_NGRAM = ("--speculative-config", json.dumps(
+    {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 5}))
+VLLM_ARGS = {"vllm_ngram": _VLLM_NGRAM, "vllm_bf16_ngram": _VLLM_NGRAM}
 MIXED = WORKLOADS["mixed_chat"]  # the issue's: 24 at 6, 30-word chats, every 4th ~600 words
 LLAMACPP_NOTE = ("llama.cpp computes in Q4_1, the GGUF file as shipped: ~7x fewer weight bytes per token "
                  "than the fp32 weights Tandem and vLLM-CPU read")
@@ -168,7 +170,7 @@ def floats(text: str) -> list[float]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--systems", default=",".join(SYSTEMS),
-                   help="comma-separated, from: " + ", ".join([*SYSTEMS, *TANDEM_VARIANTS, *VLLM_DTYPE]))
+                   help="comma-separated, from: " + ", ".join([*SYSTEMS, *TANDEM_VARIANTS, *(k for k in VLLM_ENV if k not in SYSTEMS)]))
     p.add_argument("--rates", type=floats, default=[0.25, 0.5, 0.75, 1.0, 1.25], help="Poisson rates, req/s")
     p.add_argument("--duration", type=float, default=90.0, help="seconds of arrivals per rate (default 90)")
     p.add_argument("--min-requests", type=int, default=12, help="at least this many requests per rate")
@@ -187,9 +189,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--plot-dir", default=None, help="where the PNGs go (default docs/; with --quick bench/results/)")
     p.add_argument("--replot", metavar="JSON", help="only redraw the PNGs from a saved run")
     args = p.parse_args(argv)
-    unknown = set(args.systems.split(",")) - set(SYSTEMS) - set(TANDEM_VARIANTS) - set(VLLM_DTYPE)
+    unknown = set(args.systems.split(",")) - set(SYSTEMS) - set(TANDEM_VARIANTS) - set(VLLM_ENV)
     if unknown:
-        p.error(f"unknown systems {sorted(unknown)}; known: {', '.join([*SYSTEMS, *TANDEM_VARIANTS, *VLLM_DTYPE])}")
+        p.error(f"unknown systems {sorted(unknown)}; known: {', '.join([*SYSTEMS, *TANDEM_VARIANTS, *(k for k in VLLM_ENV if k not in SYSTEMS)])}")
     args.mixed = None if args.no_mixed else MIXED
     if args.quick:
         args.rates, args.duration, args.min_requests = [0.5], 12.0, 6
