@@ -68,14 +68,21 @@ CPU_OPS = REFERENCE_OPS._replace(store_kv=cpu_store_kv, paged_decode_attention=c
 # a CPU with AMX: a bf16 engine's prefill attention through torch's fused SDPA, whose bf16 products
 # run as tile instructions there (amx_prefill_attention: ~3.6x the C kernel at 1,024 tokens)
 AMX_CPU_OPS = CPU_OPS._replace(prefill_attention=cpu_paged_attention.amx_prefill_attention)
+# a CPU without AVX-512: the C decode kernels (109 against 127 ms a token on the 2-core AVX2 EPYC),
+# prefill attention in torch's fused SDPA (the engine's own path, cluster/models/attention.py):
+# the C prefill kernel's 512-bit tiles spill there, ~10x slower (cpu_paged_attention.avx512)
+AVX2_CPU_OPS = CPU_OPS._replace(prefill_attention=None)
 
 
 def ops_for(device: torch.device, dtype: torch.dtype = torch.float32) -> KernelOps:
     """Triton launchers on CUDA devices; on the CPU in float32, the C attention kernels where this
     machine can build them (kernels/cpu_paged_attention.py), with a bf16 engine's prefill
-    attention in torch's fused SDPA where the CPU has AMX; the torch references otherwise."""
+    attention in torch's fused SDPA where the CPU has AMX, and every prefill's where it has no
+    AVX-512; the torch references otherwise."""
     if device.type == "cuda":
         return TRITON_OPS
     if dtype == torch.float32 and cpu_paged_attention.available():
-        return AMX_CPU_OPS if cpu_paged_attention.amx_bf16() else CPU_OPS
+        if cpu_paged_attention.amx_bf16():
+            return AMX_CPU_OPS
+        return CPU_OPS if cpu_paged_attention.avx512() else AVX2_CPU_OPS
     return REFERENCE_OPS

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from kernels import AMX_CPU_OPS, CPU_OPS, REFERENCE_OPS, cpu_paged_attention, ops_for, ref_paged_decode_attention
+from kernels import AMX_CPU_OPS, AVX2_CPU_OPS, CPU_OPS, REFERENCE_OPS, cpu_paged_attention, ops_for, ref_paged_decode_attention
 from kernels.cpu_paged_attention import amx_prefill_attention, cpu_paged_decode_attention, cpu_prefill_attention
 
 
@@ -170,11 +170,17 @@ def test_amx_prefill_keeps_the_c_kernel_for_float32_products_and_checks_shapes()
 
 def test_engine_uses_the_kernel_on_cpu_float32_and_the_torch_path_otherwise(monkeypatch):
     monkeypatch.setattr(cpu_paged_attention, "amx_bf16", lambda: False)
+    monkeypatch.setattr(cpu_paged_attention, "avx512", lambda: True)
     assert ops_for(torch.device("cpu"), torch.float32) is CPU_OPS
     assert CPU_OPS.prefill_attention is cpu_prefill_attention and REFERENCE_OPS.prefill_attention is None
     monkeypatch.setattr(cpu_paged_attention, "amx_bf16", lambda: True)  # the one difference on an AMX CPU
     assert ops_for(torch.device("cpu"), torch.float32) is AMX_CPU_OPS
     assert AMX_CPU_OPS == CPU_OPS._replace(prefill_attention=amx_prefill_attention)
+    # without AVX-512: the C decode kernels, prefill attention on the engine's SDPA path
+    monkeypatch.setattr(cpu_paged_attention, "amx_bf16", lambda: False)
+    monkeypatch.setattr(cpu_paged_attention, "avx512", lambda: False)
+    assert ops_for(torch.device("cpu"), torch.float32) is AVX2_CPU_OPS
+    assert AVX2_CPU_OPS == CPU_OPS._replace(prefill_attention=None)
     monkeypatch.undo()
     assert ops_for(torch.device("cpu"), torch.bfloat16) is REFERENCE_OPS
     # TANDEM_CPU_KERNELS=0 turns it off (A/B benches): a fresh process sees the torch path
