@@ -175,9 +175,17 @@ def test_32_concurrent_streams_then_no_blocks_in_use(disaggregated):
                 finish = chunk.choices[0].finish_reason or finish
         return finish
 
+    def multiplexed() -> float:  # streams the routers took over their channels (decode/channels.py)
+        return total(scrape(serve_url), "tandem:token_streams_total", path="multiplexed")
+
+    before, migrations = multiplexed(), total(scrape(serve_url), "tandem:migrations_total")
     with concurrent.futures.ThreadPoolExecutor(32) as pool:
         finishes = list(pool.map(one, range(32)))
     assert all(f in ("stop", "length") for f in finishes), finishes
+    # the burst's tokens came over the router's channel (one message per step), not one stream each;
+    # the routers' counts reach /metrics with their next post
+    wait_for(lambda: multiplexed() - before >= 16, 10, "the burst's streams counted as multiplexed")
+    assert total(scrape(serve_url), "tandem:migrations_total") == migrations  # no channel failed under them
     stats = settled(serve_url)
     assert set(stats) == {"prefill", "decode"}
     for s in stats.values():
