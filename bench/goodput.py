@@ -62,6 +62,7 @@ VLLM_DTYPE = {"vllm_bf16": "bfloat16", "vllm_bf16_ngram": "bfloat16"}  # the oth
 _VLLM_NGRAM = ("--speculative-config", json.dumps(
     {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 5}))
 VLLM_ARGS = {"vllm_ngram": _VLLM_NGRAM, "vllm_bf16_ngram": _VLLM_NGRAM}
+KNOWN = [*SYSTEMS, *TANDEM_VARIANTS, *(k for k in VLLM_ENV if k not in SYSTEMS)]  # what --systems takes
 MIXED = WORKLOADS["mixed_chat"]  # the issue's: 24 at 6, 30-word chats, every 4th ~600 words
 LLAMACPP_NOTE = ("llama.cpp computes in Q4_1, the GGUF file as shipped: ~7x fewer weight bytes per token "
                  "than the fp32 weights Tandem and vLLM-CPU read")
@@ -170,7 +171,7 @@ def floats(text: str) -> list[float]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--systems", default=",".join(SYSTEMS),
-                   help="comma-separated, from: " + ", ".join([*SYSTEMS, *TANDEM_VARIANTS, *(k for k in VLLM_ENV if k not in SYSTEMS)]))
+                   help="comma-separated, from: " + ", ".join(KNOWN))
     p.add_argument("--rates", type=floats, default=[0.25, 0.5, 0.75, 1.0, 1.25], help="Poisson rates, req/s")
     p.add_argument("--duration", type=float, default=90.0, help="seconds of arrivals per rate (default 90)")
     p.add_argument("--min-requests", type=int, default=12, help="at least this many requests per rate")
@@ -189,9 +190,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--plot-dir", default=None, help="where the PNGs go (default docs/; with --quick bench/results/)")
     p.add_argument("--replot", metavar="JSON", help="only redraw the PNGs from a saved run")
     args = p.parse_args(argv)
-    unknown = set(args.systems.split(",")) - set(SYSTEMS) - set(TANDEM_VARIANTS) - set(VLLM_ENV)
+    unknown = set(args.systems.split(",")) - set(KNOWN)
     if unknown:
-        p.error(f"unknown systems {sorted(unknown)}; known: {', '.join([*SYSTEMS, *TANDEM_VARIANTS, *(k for k in VLLM_ENV if k not in SYSTEMS)])}")
+        p.error(f"unknown systems {sorted(unknown)}; known: {', '.join(KNOWN)}")
     args.mixed = None if args.no_mixed else MIXED
     if args.quick:
         args.rates, args.duration, args.min_requests = [0.5], 12.0, 6
