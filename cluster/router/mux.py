@@ -8,7 +8,9 @@ buffer per request. Plain object: the Serve calls are injected.
                      takes all that arrived since the last one (several steps when behind)
     closing stream(R) before R's last token closes `own` and, for R on a channel, calls `cancel`
                      on its replica (Serve notices a cancel only on a stream's next write, and
-                     R's own stream has none): R is aborted there. After it, `own` ends by itself
+                     R's own stream has none): R is aborted there, by a task of its own that no
+                     repeated cancellation of the closing caller cuts short. After R's last
+                     token, `own` ends by itself
     a subscription that ends fails the requests on it with ChannelClosed (the router migrates
     them like requests of a lost replica); `own` failing fails R whatever its path
 """
@@ -16,6 +18,7 @@ buffer per request. Plain object: the Serve calls are injected.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import Counter
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -73,12 +76,21 @@ class Mux:
                 del self.waiting[request_id]
             if buf.finished and buf.error is None:  # R is done: its own stream ends by itself
                 self._background(reader)
-            else:  # the client went away, or R failed: abort R wherever it is
-                if buf.via is not None:  # a cancel of `own` reaches nobody: Serve would see it on a write
-                    self._background(self.cancel(buf.via, request_id))
+            else:  # the client went away, or R failed: abort R wherever it is, in a task of its
+                # own and without awaiting here: a client's hang-up reaches us as a cancellation
+                # that anyio's cancel scope (Starlette's streaming response) delivers again at
+                # every await until we return, which would cut an abort awaited here short
                 reader.cancel()
-                await asyncio.gather(reader, return_exceptions=True)
-                await stop_stream(own)
+                self._background(self._abort(request_id, buf, reader, own))
+
+    async def _abort(self, request_id: str, buf: _Buffer, reader: asyncio.Future, own: Any) -> None:
+        try:
+            await asyncio.gather(reader, return_exceptions=True)  # R's path is known once it ends
+            await stop_stream(own)
+        finally:
+            if buf.via is not None:  # a cancel of `own` reaches nobody: Serve would see it on a write
+                with contextlib.suppress(Exception):  # (a replica gone has nothing left to abort)
+                    await self.cancel(buf.via, request_id)
 
     def _background(self, call: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(call)

@@ -214,11 +214,13 @@ def test_closing_a_stream_closes_its_call_and_an_error_on_it_is_raised():
         call.items.put_nowait([d("a")])
         await s.__anext__()
         await s.aclose()  # the client went away
+        await settle()  # (the abort runs as a task of its own)
         broken = Call()
         t = mux.stream("t", broken)
         broken.items.put_nowait(RuntimeError("engine failed"))
         with pytest.raises(RuntimeError, match="engine failed"):
             await t.__anext__()
+        await settle()
         await mux.close()
         return call.closed, broken.closed, mux.waiting
 
@@ -258,3 +260,47 @@ def test_a_multiplexed_request_closed_early_is_cancelled_on_its_replica_and_a_cl
     cancelled, closed, runs = asyncio.run(go())
     assert cancelled == [("d0", "s", True)] and closed
     assert runs == {"s": True, "t": True}
+
+
+def test_a_hang_up_delivered_as_a_cancel_scope_still_aborts_the_request():
+    """Starlette streams a response inside an anyio task group: a client's hang-up cancels its
+    scope, and anyio delivers that cancellation again at every await until the stream's task
+    leaves the scope. The abort of R, on its own stream or on a channel, survives that."""
+    import anyio
+
+    async def go():
+        channels = Channels()
+        cancelled = []
+
+        async def cancel(replica: str, request_id: str) -> None:
+            await asyncio.sleep(0)  # a Serve call: it awaits
+            cancelled.append((replica, request_id))
+
+        mux = Mux(lambda replica: channels.serve("r"), cancel)
+        await first_request(mux)
+        calls = {rid: Call() for rid in ("own", "mux")}
+        read = {rid: asyncio.Event() for rid in calls}
+
+        async def client(rid: str, scope: anyio.CancelScope) -> None:
+            with scope:
+                async for _ in mux.stream(rid, calls[rid]):
+                    read[rid].set()
+
+        scopes = {rid: anyio.CancelScope() for rid in calls}
+        tasks = [asyncio.ensure_future(client(rid, scopes[rid])) for rid in calls]
+        calls["own"].items.put_nowait(StreamStart("d0", False))  # no channel: R's tokens on its own stream
+        calls["own"].items.put_nowait([d("a")])
+        calls["mux"].items.put_nowait(StreamStart("d0", True))
+        await settle()
+        channels.open["r"].put("mux", d("b"))
+        for rid in calls:
+            await asyncio.wait_for(read[rid].wait(), 5)
+            scopes[rid].cancel()  # the client hung up
+        await asyncio.gather(*tasks)
+        await settle()
+        await mux.close()
+        return {rid: c.closed for rid, c in calls.items()}, cancelled, mux.waiting
+
+    closed, cancelled, waiting = asyncio.run(go())
+    assert closed == {"own": True, "mux": True}  # each call closed (Serve's own-stream abort)
+    assert cancelled == [("d0", "mux")] and waiting == {}  # and the channel's request cancelled on its replica
