@@ -7,8 +7,9 @@ closed by the client.
 How "within 1 s" is measured: each replica stamps the wall time at which it finished freeing
 an abandoned request (`last_abort_at` in /debug/stats); the test compares it with the wall
 time it closed the socket (same host, same clock). Prefill runs in chunks of
-`max_num_batched_tokens` (256 here, well under a second on this CPU): a chunk that is running
-when the hang-up lands finishes first, which bounds the prefill side's reaction time."""
+`max_num_batched_tokens` (128 here: ~0.6 s on the slowest CI host yet, a 2-core AVX2 EPYC at
+~200 prompt tokens/s; 256 took 1.1 s there): a chunk that is running when the hang-up lands
+finishes first, which bounds the prefill side's reaction time."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ LONG = "Summarize these notes: " + " ".join(f"item{i} is filed under shelf {i % 
 @pytest.fixture(scope="module")
 def url(serve_url):
     args = args_of("serve-tcp.yaml")
-    args["engine"] = {**args["engine"], "max_num_batched_tokens": 256, "cpu_kv_cache_bytes": 256 << 20}
+    args["engine"] = {**args["engine"], "max_num_batched_tokens": 128, "cpu_kv_cache_bytes": 256 << 20}
     deploy(args)
     return serve_url
 

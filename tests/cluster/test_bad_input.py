@@ -239,12 +239,12 @@ def test_overload_beyond_the_limit_is_a_fast_503_and_admitted_requests_finish(ur
     import concurrent.futures
     import time
 
-    # one sequence at a time on the engine and 4 samples of 500 tokens per request, so three
-    # requests stay in flight for seconds even on the tiny model
+    # one sequence at a time on the engine and 4 samples of 150 tokens per request, so three
+    # requests stay in flight for seconds even on the tiny model (1,800 steps one after another)
     args = app_args(str(tiny_model_paths["llama"]), max_concurrent_requests=3)
     args["engine"] = {**args["engine"], "max_num_seqs": 1}
     deploy(args)
-    long = chat(max_tokens=500, ignore_eos=True, temperature=0, n=4)
+    long = chat(max_tokens=150, ignore_eos=True, temperature=0, n=4)
     try:
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             def admitted(_):
@@ -265,7 +265,7 @@ def test_overload_beyond_the_limit_is_a_fast_503_and_admitted_requests_finish(ur
         assert json.loads(raw)["error"]["code"] == "overloaded"
         assert refused_at - t0 < 0.5  # refused at once, not queued
         for status, _, body in results:  # what was admitted still completes, untouched
-            assert status == 200 and body["usage"]["completion_tokens"] == 4 * 500
+            assert status == 200 and body["usage"]["completion_tokens"] == 4 * 150
         assert max(finished for _, finished, _ in results) > refused_at
         assert request(url, "POST", CHAT, chat())[0] == 200  # room again
     finally:

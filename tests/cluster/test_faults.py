@@ -257,17 +257,17 @@ def test_decode_replica_killed_mid_stream_the_stream_moves_to_another(serve_url)
     args["engine"] = {**args["engine"], "cpu_kv_cache_bytes": 256 << 20, "dtype": "float32"}
     prompt = "Tell me a long story about a lighthouse keeper."
     fresh(config({**args, "max_migrations": 0}, prefill=None, decode=2), {"Router": 1, "DecodePool": 2})
-    reference, finish, error = stream_text(serve_url, prompt, 160)
+    reference, finish, error = stream_text(serve_url, prompt, 96)
     assert finish == "length" and error is None
 
     killed = threading.Event()
 
     def kill_at(n: int) -> None:
-        if n == 40 and not killed.is_set():
+        if n == 16 and not killed.is_set():  # (the replica posts its stats within 0.5 s: ~20-60 tokens on)
             killed.set()
             kill_the_busy_decode_replica(serve_url)
 
-    cut, finish, error = stream_text(serve_url, prompt, 160, on_chunk=kill_at)
+    cut, finish, error = stream_text(serve_url, prompt, 96, on_chunk=kill_at)
     assert killed.is_set() and finish is None
     assert error is not None and error["code"] == 503 and reference.startswith(cut)
     wait_for(lambda: running_replicas() == {"Router": 1, "DecodePool": 2}, 120, "the killed replica replaced")
@@ -277,7 +277,7 @@ def test_decode_replica_killed_mid_stream_the_stream_moves_to_another(serve_url)
     spec = {"method": "ngram", "prompt_lookup_min": 1}
     fresh(config({**args, "speculative_config": spec}, prefill=None, decode=2), {"Router": 1, "DecodePool": 2})
     killed.clear()
-    moved, finish, error = stream_text(serve_url, prompt, 160, on_chunk=kill_at)
+    moved, finish, error = stream_text(serve_url, prompt, 96, on_chunk=kill_at)
     assert killed.is_set()
     assert error is None and finish == "length"
     assert moved == reference  # greedy: the other replica went on exactly where the dead one stopped
