@@ -1,6 +1,7 @@
 """The same replies wherever they are made: colocated, disaggregated over each connector,
-configs/serve.yaml as shipped (placement by SLO), with speculative decoding on (a method per
-connector). A local Ray, Ray Serve apps built from configs/, HTTP through the `openai` SDK.
+configs/serve.yaml as shipped (placement by SLO; its ITL SLO raised, below), with speculative
+decoding on (a method per connector). A local Ray, Ray Serve apps built from configs/, HTTP
+through the `openai` SDK.
 
 Every app here runs float32 (`auto` is bf16 on a CPU with native bf16): the paths compute the
 same tokens with other batch shapes (a verify step's several rows, a prompt recomputed), and
@@ -19,6 +20,10 @@ pytestmark = pytest.mark.slow
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPTS = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea."]
+# serve.yaml's 150 ms ITL SLO is under what a short prompt's step costs on a slow CI host (a
+# 2-core AVX2 EPYC: ~100 ms a decode step, ~400 ms one with a 70-token prompt), where placement
+# then rightly sends every prompt to the pool; an SLO every host keeps for a short prompt's step
+ITL_SLO_MS = 1000
 
 
 def greedy(c, model: str) -> list[str]:
@@ -87,8 +92,8 @@ SPECULATING = {  # deployment → (config, its speculative_config): each connect
 
 def test_greedy_identical_colocated_and_every_connector(serve_url, default_model_path):
     """And sampled with a seed: a seed gives the same replies wherever the first token is drawn.
-    Also configs/serve.yaml as shipped (its shared_store connector) with ngram speculation, placement
-    by SLO on: the same replies wherever each prompt was computed, and a short prompt sent alone is
+    Also configs/serve.yaml as shipped (its shared_store connector; ITL_SLO_MS) with ngram
+    speculation, placement by SLO on: the same replies wherever each prompt was computed, and a short prompt sent alone is
     prefilled on its decode replica (sooner than a trip through the pool), as its trace shows.
     Each app gets its requests all at once, as clients send them. Every
     connector runs with speculative decoding on (a method each), and colocated with it too: the
@@ -102,7 +107,7 @@ def test_greedy_identical_colocated_and_every_connector(serve_url, default_model
             spec = {**spec, "model": str(default_model_path)} if "model" in spec else spec
             deploy(in_float32({**args_of(file), "speculative_config": spec}))
         elif name == budget:
-            deploy(in_float32({**shipped_args("serve.yaml"), "speculative_config": NGRAM}))
+            deploy(in_float32({**shipped_args("serve.yaml"), "speculative_config": NGRAM, "itl_slo_ms": ITL_SLO_MS}))
         else:
             deploy(in_float32(args_of(name)))
         speculating = name != "colocated.yaml"
@@ -145,7 +150,7 @@ def test_greedy_identical_colocated_and_every_connector(serve_url, default_model
     kept = total(metrics[budget], "tandem:local_prefills_total", pool="decode", reason="slo")
     assert kept >= 1 and kept + landed[budget] == len(PROMPTS) + 6  # with the one sent alone
     assert placed["placement"] == "local" and placed["kv"].startswith("slo: prefilled here"), placed
-    assert placed["local_ttft_ms"] < placed["remote_ttft_ms"] and placed["local_itl_ms"] <= 150
+    assert placed["local_ttft_ms"] < placed["remote_ttft_ms"] and placed["local_itl_ms"] <= ITL_SLO_MS
     for name in (budget, *SPECULATING):  # drafts were verified, and vLLM's metrics say so
         assert total(metrics[name], "vllm:spec_decode_num_draft_tokens_total", pool="decode") > 0, name
         assert total(metrics[name], "vllm:spec_decode_num_accepted_tokens_total", pool="decode") > 0, name
