@@ -93,8 +93,9 @@ SPECULATING = {  # deployment → (config, its speculative_config): each connect
 def test_greedy_identical_colocated_and_every_connector(serve_url, default_model_path):
     """And sampled with a seed: a seed gives the same replies wherever the first token is drawn.
     Also configs/serve.yaml as shipped (its shared_store connector; ITL_SLO_MS) with ngram
-    speculation, placement by SLO on: the same replies wherever each prompt was computed, and a short prompt sent alone is
-    prefilled on its decode replica (sooner than a trip through the pool), as its trace shows.
+    speculation, placement by SLO on: the same replies wherever each prompt was computed, and a
+    short prompt sent alone is prefilled on its decode replica (sooner than a trip through the
+    pool), as its trace shows.
     Each app gets its requests all at once, as clients send them. Every
     connector runs with speculative decoding on (a method each), and colocated with it too: the
     same replies as colocated without it. The default model as its own draft over the
