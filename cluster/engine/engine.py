@@ -43,7 +43,7 @@ class LLMEngine:
         self.config = config
         self.model_path = resolve_model_path(config.model.model, config.model.cache_dir)
         self.arch = Architecture.from_folder(self.model_path)
-        self.tokenizer = Tokenizer(self.model_path)
+        self.tokenizer = Tokenizer(self.model_path, lazy=True)  # ids to text: no transformers
         limit = config.model.max_model_len or self.arch.max_position_embeddings
         if self.arch.sliding_window:  # no sliding-window attention: stay inside the window
             limit = min(limit, self.arch.sliding_window)
@@ -317,7 +317,8 @@ class LLMEngine:
         return req
 
     def _structured_backend(self) -> StructuredBackend:
-        """Built on the first constrained request (~0.4 s: importing xgrammar, the tokenizer's table)."""
+        """Built on the first constrained request (~0.4 s: importing xgrammar, the tokenizer's table;
+        ~1.6 s more on a slow host where it loads transformers, which the engine's decode never did)."""
         if self._structured is None:
             self._structured = create_backend("xgrammar", self.tokenizer.hf, self.arch.vocab_size,
                                               sorted(self.eos_token_ids))
@@ -325,7 +326,7 @@ class LLMEngine:
 
     def _track(self, req: Request, prompt: str | None) -> None:
         self._detok[req.request_id] = IncrementalDetokenizer(
-            self.tokenizer.hf, req.prompt_token_ids,
+            self.tokenizer, req.prompt_token_ids,
             skip_special_tokens=req.params.skip_special_tokens, stop=req.params.stop,
             include_stop=req.params.include_stop_str_in_output)
         self._logprobs[req.request_id] = []

@@ -4,12 +4,18 @@ A folder whose tokenizer_config.json names the generic fast tokenizer (`Tokenize
 `PreTrainedTokenizerFast`, its old name), as the default model's does, loads it without
 AutoTokenizer: AutoTokenizer's import chain loads torch (~2 s of CPU, ~0.2 GB), which a router
 replica, holding no engine, has no use for. Any other class goes through AutoTokenizer.
+
+An engine only turns ids into text (and needs the end-of-text ids): `Tokenizer(path, lazy=True)`
+does that with the `tokenizers` library alone where the folder's tokenizer.json is all there is
+to it (the generic class, every special token its config names already special there, no
+clean-up of spaces), and loads transformers (~1.6 s of CPU a process on a slow host) only when
+something asks for more: a chat template, `encode`, a grammar (xgrammar imports it anyway).
 """
 
 from __future__ import annotations
 
 import json
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -26,14 +32,28 @@ RESERVED_TEMPLATE_VARIABLES = frozenset({
 
 
 class Tokenizer:
-    def __init__(self, model_path: str | Path) -> None:
-        self.hf = _load(Path(model_path))
-        self.eos_token_ids = frozenset(self._eos_ids(Path(model_path)))
+    def __init__(self, model_path: str | Path, lazy: bool = False) -> None:
+        """`lazy`: transformers loads on first need (see the module's docstring), not now."""
+        self.folder = Path(model_path)
+        settings = self.folder / "tokenizer_config.json"
+        self._settings = json.loads(settings.read_text()) if settings.is_file() else {}
+        self._fast = _fast_tokenizer(self.folder, self._settings) if lazy else None
+        self.eos_token_ids = frozenset(self._eos_ids(self.folder))
+
+    @cached_property
+    def hf(self) -> Any:
+        """The transformers tokenizer (loaded on first use where `lazy`)."""
+        return _load(self.folder)
 
     def _eos_ids(self, folder: Path) -> set[int]:
         ids: set[int] = set()
-        if self.hf.eos_token_id is not None:
-            ids.add(int(self.hf.eos_token_id))
+        if self._fast is not None:
+            eos = _content(self._settings.get("eos_token"))
+            eos_id = self._fast.token_to_id(eos) if eos is not None else None
+        else:
+            eos_id = self.hf.eos_token_id
+        if eos_id is not None:
+            ids.add(int(eos_id))
         gen = folder / "generation_config.json"
         if gen.is_file():
             eos = json.loads(gen.read_text()).get("eos_token_id")
@@ -43,8 +63,15 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text))
 
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True,
+               clean_up_tokenization_spaces: bool | None = None) -> str:
+        """transformers' decode (`clean_up_tokenization_spaces`: None is the folder's setting)."""
+        clean_up = (self._settings.get("clean_up_tokenization_spaces") if clean_up_tokenization_spaces is None
+                    else clean_up_tokenization_spaces)
+        if self._fast is not None and not clean_up:  # what transformers' decode does then, itself
+            return self._fast.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        return self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens,
+                              clean_up_tokenization_spaces=clean_up_tokenization_spaces)
 
     def chat_prompt(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
                     tools: Sequence[dict[str, Any]] | None = None, continue_final_message: bool = False,
@@ -82,7 +109,34 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        return len(self.hf)
+        return self._fast.get_vocab_size(with_added_tokens=True) if self._fast is not None else len(self.hf)
+
+
+def _content(token: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or {"content": ...}."""
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _fast_tokenizer(folder: Path, settings: dict[str, Any]) -> Any:
+    """The folder's tokenizer.json as a `tokenizers.Tokenizer`, where transformers would decode
+    with it unchanged: the generic class, and every special token the config names (and every
+    token it adds) already in tokenizer.json, special alike. None otherwise."""
+    path = folder / "tokenizer.json"
+    if settings.get("tokenizer_class") not in GENERIC_TOKENIZERS or not path.is_file():
+        return None
+    added = {t["content"]: t.get("special", False) for t in json.loads(path.read_text()).get("added_tokens", [])}
+    named = [_content(settings.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
+                                                  "cls_token", "mask_token")]
+    extra = settings.get("additional_special_tokens") or settings.get("extra_special_tokens") or []
+    named += [_content(t) for t in (extra.values() if isinstance(extra, dict) else extra)]
+    if any(t is not None and added.get(t) is not True for t in named):
+        return None
+    for token in (settings.get("added_tokens_decoder") or {}).values():
+        if added.get(token.get("content")) != token.get("special", False):
+            return None
+    from tokenizers import Tokenizer as FastTokenizer
+
+    return FastTokenizer.from_file(str(path))
 
 
 def _load(folder: Path) -> Any:
