@@ -3,7 +3,9 @@ with 1P1D → 2P1D → 1P2D changes the pools (Serve's replica counts, and every
 and no request fails; then back to 1P1D, the leaving decode replica draining its streams
 (reliability fault 11: scale-down under load), within seconds of its streams' end. Deployed the way `serve deploy configs/serve.yaml` deploys: the whole
 config, pool sizes and actor options from YAML, handed to the Serve controller. And with two
-prefill replicas, a conversation's next turn goes where its history is cached.
+prefill replicas, a conversation's next turn goes where its history is cached. Both on a tiny
+random Llama with the default model's tokenizer: what they check is the pools, not the model's
+words, and its replicas start and answer in a fraction of the default model's time.
 """
 
 from __future__ import annotations
@@ -19,10 +21,15 @@ from serving import (APP, SteadyStream, apply_config, client, http_request, hand
 
 pytestmark = pytest.mark.slow
 
-def sized(prefill: int, decode: int) -> dict:
-    """configs/serve.yaml with these pool sizes, each pool replica on half a core (3 fit on 2 CPUs)."""
+TINY = "tiny"  # the served model name of the tiny random Llama
+
+
+def sized(prefill: int, decode: int, model: str) -> dict:
+    """configs/serve.yaml serving `model` (as TINY), with these pool sizes, each pool replica on
+    half a core (3 fit on 2 CPUs)."""
     config = hand_off_config("serve.yaml")
     app = config["applications"][0]
+    app["args"].update(model=model, served_model_name=TINY)
     app["args"]["engine"]["cpu_kv_cache_bytes"] = 128 << 20
     for d in app["deployments"]:
         if d["name"] in ("PrefillPool", "DecodePool"):
@@ -57,11 +64,13 @@ def reported_caches(deployment: str) -> dict[str, set[bytes]]:
     return views
 
 
-def test_redeploying_pool_sizes_under_load_fails_no_request(serve_url):
+def test_redeploying_pool_sizes_under_load_fails_no_request(serve_url, tiny_model_paths):
     from ray import serve
 
+    tiny = str(tiny_model_paths["llama"])
+
     serve.delete(APP)  # the app earlier modules deployed with serve.run: this one is config-managed
-    apply_config(sized(1, 1))
+    apply_config(sized(1, 1, tiny))
     wait_for(pools_are(1, 1), 240, "1 prefill + 1 decode replica")
     model = client(serve_url).models.list().data[0].id
 
@@ -69,7 +78,7 @@ def test_redeploying_pool_sizes_under_load_fails_no_request(serve_url):
         wait_for(lambda: load.completed_since(0) >= 3, 120, "the first requests")
 
         t_2p1d = time.monotonic()
-        apply_config(sized(2, 1))
+        apply_config(sized(2, 1, tiny))
         wait_for(pools_are(2, 1), 240, "2 prefill replicas")
         # the new prefill replica takes its share (the prompts are new to both: routed by the work queued)
         wait_for(lambda: len([n for n in per_replica(serve_url, "prefill", "kv_sent").values() if n > 0]) == 2,
@@ -77,7 +86,7 @@ def test_redeploying_pool_sizes_under_load_fails_no_request(serve_url):
         prefill_replicas = set(per_replica(serve_url, "prefill", "kv_sent"))
 
         t_1p2d = time.monotonic()
-        apply_config(sized(1, 2))
+        apply_config(sized(1, 2, tiny))
         wait_for(pools_are(1, 2), 240, "1 prefill + 2 decode replicas")
         wait_for(lambda: len([n for n in per_replica(serve_url, "decode", "kv_landed").values() if n > 0]) == 2,
                  120, "both decode replicas to admit transferred KV")
@@ -85,7 +94,7 @@ def test_redeploying_pool_sizes_under_load_fails_no_request(serve_url):
         # stops once they end (the router's channel to it closes when idle), not when Serve's
         # grace period (graceful_shutdown_timeout_s, 20 s by default) runs out
         t_1p1d = time.monotonic()
-        apply_config(sized(1, 1))
+        apply_config(sized(1, 1, tiny))
         wait_for(pools_are(1, 1), 240, "back to 1 prefill + 1 decode replica")
         t_end = time.monotonic()
         assert t_end - t_1p1d < 15, f"the scale-down took {t_end - t_1p1d:.1f} s"
@@ -102,19 +111,19 @@ def test_redeploying_pool_sizes_under_load_fails_no_request(serve_url):
     serve.delete(APP)
 
 
-def test_a_conversations_next_turn_is_prefilled_where_its_history_is_cached(serve_url):
+def test_a_conversations_next_turn_is_prefilled_where_its_history_is_cached(serve_url, tiny_model_paths):
     """Two prefill replicas. Four conversations' first turns, sent at once, spread over both;
     each one's second turn, sent alone to an idle pool, goes back to the replica that holds
     its history, which serves all of that from its prefix cache (a prefix cache is per replica:
     elsewhere it would be computed again). The decode replica holds the history too: only the
     new turn's KV blocks are sent to it."""
-    apply_config(sized(2, 1))
+    apply_config(sized(2, 1, str(tiny_model_paths["llama"])))
     wait_for(pools_are(2, 1), 240, "2 prefill replicas + 1 decode replica")
     c = client(serve_url)
 
     def turn(conversation: int, messages: list[dict]) -> tuple[object, dict]:
         rid = f"conversation-{conversation}-turn-{len(messages) // 2 + 1}"
-        r = c.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=4,
+        r = c.chat.completions.create(model=TINY, messages=messages, max_tokens=4,
                                       temperature=0, extra_headers={"X-Request-Id": rid})
         (trace,) = json.loads(http_request(serve_url, "GET", f"/debug/requests/{rid}")[2])["traces"]
         return r, trace
