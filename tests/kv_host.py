@@ -31,6 +31,14 @@ class KVHost:
         self.exporter = KVExporter(self.engine, self.conn, lease_s)
         self.importer = KVImporter(self.engine, self.conn, policy)
 
+    def configure(self, lease_s: float | None = None, policy: str | None = None) -> None:
+        """Change the exporter's lease or the importer's failure policy (a test's own setting on a
+        host its module's tests share)."""
+        if lease_s is not None:
+            self.exporter.lease_s = lease_s
+        if policy is not None:
+            self.importer.policy = policy
+
     def kv_control(self, op: str, args: dict[str, Any]) -> Any:
         return self.conn.on_control(op, args)
 

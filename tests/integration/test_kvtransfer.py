@@ -41,14 +41,34 @@ def blocks_in_use(ray, *actors) -> list[int]:
 
 
 @pytest.fixture(scope="module", params=CONNECTORS)
-def pair(request, ray_local, tiny_model_paths):
-    """(connector, prefill host, decode host) on the tiny Llama."""
-    ray = ray_local
-    model = tiny_model_paths["llama"]
-    p, d = hosts(ray, request.param, model, {}, {})
-    yield request.param, p, d
-    for a in (p, d):
-        ray.kill(a)
+def connector(request) -> str:
+    """Each connector's tests run together (module-scoped), sharing its hosts (`shared`)."""
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def shared(connector, ray_local, tiny_model_paths):
+    """(prefill host, decode host, decode host with prefix caching) over `connector` on the tiny
+    Llama, shared by the module's tests of that connector (each host takes seconds to start) and
+    stopped before the next connector's; a test that changes a host's settings sets them back,
+    one that kills a host starts its own."""
+    actors = hosts(ray_local, connector, tiny_model_paths["llama"], {}, {},
+                   {"engine_args": {"cpu_kv_cache_bytes": 1 << 24}})
+    yield actors
+    for a in actors:
+        ray_local.kill(a)
+
+
+@pytest.fixture(scope="module")
+def pair(connector, shared):
+    """(connector, prefill host, decode host)."""
+    return connector, shared[0], shared[1]
+
+
+def grown(ray, actor, before: dict):
+    """Counter → how much it grew on `actor` since `before` (its stats then)."""
+    after = ray.get(actor.stats.remote())
+    return lambda key: after.get(key, 0) - before.get(key, 0)
 
 
 def reaped_once_expired(ray, p, timeout_s: float = 10.0) -> list[str]:
@@ -80,7 +100,6 @@ def test_round_trip_is_bit_exact(pair, ray_local):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("connector", CONNECTORS)
 def test_transferred_kv_decodes_like_colocated_on_the_default_model(connector, ray_local, default_model_path):
     ray = ray_local
     engine_args = {"cpu_kv_cache_bytes": 1 << 26, "enable_prefix_caching": False}  # every block crosses
@@ -100,29 +119,25 @@ def test_transferred_kv_decodes_like_colocated_on_the_default_model(connector, r
             ray.kill(a)
 
 
-@pytest.mark.parametrize("connector", CONNECTORS)
-def test_blocks_the_decode_side_holds_are_not_sent_again(connector, ray_local, tiny_model_paths):
+def test_blocks_the_decode_side_holds_are_not_sent_again(connector, ray_local, shared):
     """A conversation's next turn on the same decode replica: only its new blocks cross."""
     ray = ray_local
-    p, d = hosts(ray, connector, tiny_model_paths["llama"], {}, {"engine_args": {"cpu_kv_cache_bytes": 1 << 24}})
-    try:
-        first = prompts()[2]  # 100 tokens: 7 blocks of 16
-        h = handoff(ray, p, d, "turn1", first)
-        ray.get(d.start.remote("turn1", h))
-        ray.get(p.ack.remote("turn1"))
-        block_bytes = h.kv_bytes // 7
-        following = first[:90] + [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]  # 105: 7 blocks
-        colocated = ray.get(p.generate_local.remote(following, GREEDY))  # p caches nothing
-        h2 = handoff(ray, p, d, "turn2", following)
-        assert h2.kv_bytes == 2 * block_bytes  # blocks 0-4 (tokens 0-79) are already on d
-        assert ray.get(d.start.remote("turn2", h2)) == colocated
-        ray.get(p.ack.remote("turn2"))
-        stats = ray.get(d.stats.remote())
-        assert stats["kv_reused_blocks"] == 5 and stats["kv_landed"] == 2 and "recomputed" not in stats
-        assert blocks_in_use(ray, p, d) == [0, 0]
-    finally:
-        for a in (p, d):
-            ray.kill(a)
+    p, _, d = shared  # d: prefix caching on (its cache holds only this test's prompts)
+    before = ray.get(d.stats.remote())
+    first = prompts()[2]  # 100 tokens: 7 blocks of 16
+    h = handoff(ray, p, d, "turn1", first)
+    ray.get(d.start.remote("turn1", h))
+    ray.get(p.ack.remote("turn1"))
+    block_bytes = h.kv_bytes // 7
+    following = first[:90] + [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]  # 105: 7 blocks
+    colocated = ray.get(p.generate_local.remote(following, GREEDY))  # p caches nothing
+    h2 = handoff(ray, p, d, "turn2", following)
+    assert h2.kv_bytes == 2 * block_bytes  # blocks 0-4 (tokens 0-79) are already on d
+    assert ray.get(d.start.remote("turn2", h2)) == colocated
+    ray.get(p.ack.remote("turn2"))
+    grew = grown(ray, d, before)
+    assert grew("kv_reused_blocks") == 5 and grew("kv_landed") == 2 and grew("recomputed") == 0
+    assert blocks_in_use(ray, p, d) == [0, 0]
 
 
 @pytest.mark.parametrize("mode,error", [
@@ -173,31 +188,29 @@ def test_bad_payloads_are_refused_counted_and_the_engines_keep_serving(pair, ray
     assert blocks_in_use(ray, p, d) == [0, 0]
 
 
-@pytest.mark.parametrize("connector", CONNECTORS)
-def test_unacknowledged_kv_is_freed_when_the_lease_expires(connector, ray_local, tiny_model_paths):
+def test_unacknowledged_kv_is_freed_when_the_lease_expires(connector, ray_local, shared):
     ray = ray_local
-    model = tiny_model_paths["llama"]
-    p, d = hosts(ray, connector, model, {"lease_s": 1.0}, {})
+    p, d, _ = shared
+    before = ray.get(p.stats.remote())
+    ray.get(p.configure.remote(lease_s=1.0))
     try:
         h = handoff(ray, p, d, "lease", prompts()[2])
         assert blocks_in_use(ray, p)[0] > 0
         assert ray.get(p.reap.remote()) == []  # not before its lease is out
         assert reaped_once_expired(ray, p) == ["lease"]
         assert not ray.get(p.ack.remote("lease"))  # late: ignored, counted
-        stats = ray.get(p.stats.remote())
-        assert stats["lease_expired"] == 1 and stats["late_acks"] == 1 and stats["blocks_in_use"] == 0
+        grew = grown(ray, p, before)
+        assert grew("lease_expired") == 1 and grew("late_acks") == 1 and blocks_in_use(ray, p) == [0]
         ray.get(d.start.remote("lease", h))  # the decode side still gets its tokens
         assert blocks_in_use(ray, d) == [0]
     finally:
-        for a in (p, d):
-            ray.kill(a)
+        ray.get(p.configure.remote(lease_s=30.0))
 
 
-@pytest.mark.parametrize("connector", CONNECTORS)
-def test_layout_mismatch_is_refused_at_handshake_naming_both_sides(connector, ray_local, tiny_model_paths):
+def test_layout_mismatch_is_refused_at_handshake_naming_both_sides(connector, ray_local, shared, tiny_model_paths):
     ray = ray_local
-    model = tiny_model_paths["llama"]
-    p, d = hosts(ray, connector, model, {}, {"engine_args": {**SMALL_ENGINE, "block_size": 8}})
+    p = shared[0]
+    (d,) = hosts(ray, connector, tiny_model_paths["llama"], {"engine_args": {**SMALL_ENGINE, "block_size": 8}})
     try:
         prompt = prompts()[1]
         receiver = ray.get(d.reserve.remote("mm", prompt, GREEDY))
@@ -207,11 +220,9 @@ def test_layout_mismatch_is_refused_at_handshake_naming_both_sides(connector, ra
         assert ray.get(d.abandon.remote("mm")) == colocated  # decode recomputes (default policy)
         assert blocks_in_use(ray, p, d) == [0, 0]
     finally:
-        for a in (p, d):
-            ray.kill(a)
+        ray.kill(d)
 
 
-@pytest.mark.parametrize("connector", CONNECTORS)
 def test_peer_gone_before_and_after_send(connector, ray_local, tiny_model_paths):
     ray = ray_local
     model = tiny_model_paths["llama"]
@@ -242,13 +253,14 @@ def test_peer_gone_before_and_after_send(connector, ray_local, tiny_model_paths)
             ray.kill(a)
 
 
-@pytest.mark.parametrize("connector", ["tcp", "shared_store"])
-def test_failure_policy_fail_ends_the_request_with_the_typed_error(connector, ray_local, tiny_model_paths):
+@pytest.mark.parametrize("connector", ["tcp", "shared_store"], indirect=True)
+def test_failure_policy_fail_ends_the_request_with_the_typed_error(connector, ray_local, shared):
     from cluster.kvtransfer.handoff import PrefillHandoff
 
     ray = ray_local
-    model = tiny_model_paths["llama"]
-    p, d = hosts(ray, connector, model, {}, {"policy": "fail"})
+    p, d, _ = shared
+    before = ray.get(d.stats.remote())
+    ray.get(d.configure.remote(policy="fail"))
     try:
         prompt = prompts()[1]
         receiver = ray.get(d.reserve.remote("f", prompt, GREEDY))
@@ -256,12 +268,10 @@ def test_failure_policy_fail_ends_the_request_with_the_typed_error(connector, ra
         receipt = ray.get(p.send_raw.remote("f", receiver, "corrupt"))
         with pytest.raises(Exception, match="KVIntegrityError"):
             ray.get(d.start.remote("f", PrefillHandoff("f", 5, None, receipt)))
-        stats = ray.get(d.stats.remote())
-        assert stats["kv_failed_checksum"] == 1 and stats["blocks_in_use"] == 0
-        assert "recomputed" not in stats
+        grew = grown(ray, d, before)
+        assert grew("kv_failed_checksum") == 1 and grew("recomputed") == 0 and blocks_in_use(ray, d) == [0]
     finally:
-        for a in (p, d):
-            ray.kill(a)
+        ray.get(d.configure.remote(policy="recompute"))
 
 
 def _rss_kib(start: int) -> int:
