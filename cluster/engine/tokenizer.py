@@ -65,10 +65,11 @@ class Tokenizer:
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True,
                clean_up_tokenization_spaces: bool | None = None) -> str:
-        """transformers' decode (`clean_up_tokenization_spaces`: None is the folder's setting)."""
+        """transformers' decode (`clean_up_tokenization_spaces`: None is the folder's setting, or
+        where it has none transformers' own default)."""
         clean_up = (self._settings.get("clean_up_tokenization_spaces") if clean_up_tokenization_spaces is None
                     else clean_up_tokenization_spaces)
-        if self._fast is not None and not clean_up:  # what transformers' decode does then, itself
+        if self._fast is not None and clean_up is False:  # what transformers' decode does then, itself
             return self._fast.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
         return self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens,
                               clean_up_tokenization_spaces=clean_up_tokenization_spaces)
