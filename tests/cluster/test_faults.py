@@ -321,21 +321,24 @@ def test_decode_replica_killed_after_prefill_the_prefill_blocks_return_within_th
     wait_for(idle, 30, "the prefill replica to hold no blocks and no leases")
 
 
-def test_prefill_dies_after_putting_the_kv_the_failure_policy_recomputes(serve_url):
+def test_prefill_dies_after_putting_the_kv_the_failure_policy_recomputes(serve_url, tiny_model_paths):
+    """On the tiny random Llama: the faults are timed by the clock (the prefill replica exits
+    0.3 s after its hand-off, the decode replica fetches 1.5 s after it), not by the model."""
     from ray import serve
 
     args = load_config("serve-shared-store.yaml")["applications"][0]["args"]
-    args["engine"] = {**args["engine"], "cpu_kv_cache_bytes": 256 << 20}
+    args.update(model=str(tiny_model_paths["llama"]), served_model_name="tiny")
+    args["engine"] = {**args["engine"], "cpu_kv_cache_bytes": 64 << 20}
     fresh(config(args, prefill=1), {"Router": 1, "DecodePool": 1, "PrefillPool": 1})
     c = client(serve_url)
     question = [{"role": "user", "content": "What is the capital of France?"}]
-    expected = c.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=12,
+    expected = c.chat.completions.create(model="tiny", temperature=0, max_tokens=12,
                                          messages=question).choices[0].message.content
     # the prefill replica puts R's KV in the object store, answers, and dies 0.3 s later; the
     # decode replica fetches after 1.5 s: the KV's owner is gone, so the fetch fails
     serve.get_deployment_handle("PrefillPool", APP).inject_fault.remote("exit_after_handoff").result(timeout_s=10)
     serve.get_deployment_handle("DecodePool", APP).inject_fault.remote("delay_fetch").result(timeout_s=10)
-    r = c.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=12, messages=question)
+    r = c.chat.completions.create(model="tiny", temperature=0, max_tokens=12, messages=question)
     assert r.choices[0].message.content == expected  # recomputed on the decode replica: same text
     (decode,) = [s for s in replica_stats(serve_url) if s["pool"] == "decode"]
     assert decode["recomputed"] >= 1 and any(k.startswith("kv_failed_") and v for k, v in decode.items()), decode
