@@ -149,7 +149,7 @@ print(json.dumps({"ids": list(ids), "text": streamed, "transformers": "transform
 
 
 def test_an_engine_streams_text_without_loading_transformers(tiny_model_paths):
-    """A pool replica's engine turns ids into text with the tokenizers library alone (~1.6 s of
+    """A pool replica's engine turns ids into text with the tokenizers library alone (~1 s of
     CPU less per replica start on a slow host): the text it streams is the one transformers
     decodes."""
     from transformers import AutoTokenizer
