@@ -125,7 +125,10 @@ def _fast_tokenizer(folder: Path, settings: dict[str, Any]) -> Any:
     path = folder / "tokenizer.json"
     if settings.get("tokenizer_class") not in GENERIC_TOKENIZERS or not path.is_file():
         return None
-    added = {t["content"]: t.get("special", False) for t in json.loads(path.read_text()).get("added_tokens", [])}
+    from tokenizers import Tokenizer as FastTokenizer
+
+    fast = FastTokenizer.from_file(str(path))
+    added = {t.content: t.special for t in fast.get_added_tokens_decoder().values()}
     named = [_content(settings.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
                                                   "cls_token", "mask_token")]
     extra = settings.get("additional_special_tokens") or settings.get("extra_special_tokens") or []
@@ -135,9 +138,7 @@ def _fast_tokenizer(folder: Path, settings: dict[str, Any]) -> Any:
     for token in (settings.get("added_tokens_decoder") or {}).values():
         if added.get(token.get("content")) != token.get("special", False):
             return None
-    from tokenizers import Tokenizer as FastTokenizer
-
-    return FastTokenizer.from_file(str(path))
+    return fast
 
 
 def _load(folder: Path) -> Any:

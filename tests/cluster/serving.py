@@ -71,6 +71,16 @@ def apply_config(config: dict[str, Any]) -> None:
     apply_serve_config(config)
 
 
+def fresh(cfg: dict[str, Any], want: dict[str, int], timeout_s: float = 240, settled: bool = True) -> None:
+    """The app deleted, then deployed from `cfg` as `serve deploy` would (config-managed, not
+    serve.run's); returns once Serve runs `want` replicas per deployment."""
+    from ray import serve
+
+    serve.delete(APP)
+    apply_config(cfg)
+    wait_for(lambda: running_replicas(settled) == want, timeout_s, f"replicas {want}")
+
+
 def running_replicas(settled: bool = True) -> dict[str, int]:
     """Serve's view: RUNNING replicas per deployment of the app (with `settled`, empty while
     the app itself is not RUNNING)."""

@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from serving import (APP, SteadyStream, apply_config, chat_in_background, client, http_request, load_config,
+from serving import (APP, SteadyStream, apply_config, chat_in_background, client, fresh, http_request, load_config,
                      open_stream, pool_stats, replica_stats, running_replicas, settled, wait_for, wait_for_replica)
 
 pytestmark = pytest.mark.slow
@@ -41,14 +41,6 @@ def config(args: dict, prefill: int | None, decode: int = 1, prefill_resources: 
         deployments.append({"name": "PrefillPool", "num_replicas": prefill, "ray_actor_options": options})
     return {"applications": [{"name": APP, "route_prefix": "/", "import_path": "fault_pools:build_app",
                               "args": args, "deployments": deployments}]}
-
-
-def fresh(cfg: dict, want: dict[str, int], timeout_s: float = 240, settled: bool = True) -> None:
-    from ray import serve
-
-    serve.delete(APP)
-    apply_config(cfg)
-    wait_for(lambda: running_replicas(settled) == want, timeout_s, f"replicas {want}")
 
 
 def post_chat(url: str, body: dict) -> tuple[int, dict, dict]:

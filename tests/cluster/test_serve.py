@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from cluster.cpu_binding import OWN_NICE, SHARED_NICE
-from serving import (APP, apply_config, client, hand_off_config, replica_stats, running_replicas,
+from serving import (APP, apply_config, client, fresh, hand_off_config, replica_stats, running_replicas,
                      scrape, settled, total, wait_for)
 
 pytestmark = pytest.mark.slow
@@ -25,11 +25,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 def disaggregated(serve_url):
     """configs/serve.yaml deployed once, as `serve deploy` deploys it (its pools' options from
     YAML), for the tests that share it (each still passes alone); a test may scale its routers."""
-    from ray import serve
-
-    serve.delete(APP)  # an app an earlier module deployed with serve.run: this one is config-managed
-    apply_config(hand_off_config("serve.yaml"))
-    wait_for(lambda: running_replicas() == {"Router": 1, "PrefillPool": 1, "DecodePool": 1}, 240, "the app")
+    fresh(hand_off_config("serve.yaml"), {"Router": 1, "PrefillPool": 1, "DecodePool": 1})
     return serve_url
 
 
