@@ -14,10 +14,9 @@ import grpc
 import openai
 import pytest
 
-from cluster.router import grpc_api
 from cluster.router import tandem_pb2 as pb
 from cluster.router.tandem_pb2_grpc import TandemStub
-from serving import APP, deploy, free_port, http_request, replica_stats, settled
+from serving import APP, deploy, http_request, replica_stats, settled
 
 pytestmark = pytest.mark.slow
 
@@ -29,12 +28,8 @@ CANCELS = 24
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_local, tiny_model_paths):
-    from ray import serve
-
-    http_port, grpc_port = free_port(), free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": http_port},
-                grpc_options={"port": grpc_port, "grpc_servicer_functions": [grpc_api.SERVICER]})
+def cluster(serve_ports, tiny_model_paths):
+    http_port, grpc_port = serve_ports["http"], serve_ports["grpc"]
     deploy({"model": str(tiny_model_paths["llama"]), "served_model_name": "tiny", "api_key": KEY,
             "engine": {"num_blocks": 64}, "kv_transfer": {"connector": "tcp"}}, faults=True)
     channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
@@ -43,7 +38,6 @@ def cluster(ray_local, tiny_model_paths):
     yield {"stub": TandemStub(channel), "url": url,
            "http": openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)}
     channel.close()
-    serve.shutdown()
 
 
 def chat(**kw) -> pb.GenerateRequest:
