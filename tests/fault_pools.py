@@ -9,12 +9,17 @@ carries none. Deploy them with `fault_pools:build_app` as the Serve import path 
                  delay_fetch   the next KV fetch starts 1.5 s late
     PrefillPool  exit_after_handoff  the next hand-off is answered, then the replica dies 0.3 s later
 
+And from its start, in every replica of a pool: a pause after each engine step, of as many seconds
+as the env var TANDEM_TEST_STEP_PAUSE_S says (a pool's `ray_actor_options.runtime_env.env_vars`),
+so that a tiny model's request lasts long enough for a test to act while it runs.
+
 Ray workers import this module (tests/conftest.py puts tests/ on their PYTHONPATH).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import threading
 import time
@@ -52,7 +57,25 @@ def delay_next_fetch(importer: Any, delay_s: float) -> None:
     importer.fetch = late_fetch
 
 
+STEP_PAUSE_ENV = "TANDEM_TEST_STEP_PAUSE_S"
+
+
+def step_pause_env(pause_s: float) -> dict[str, Any]:
+    """A pool deployment's `ray_actor_options` entry that slows its engines from their start."""
+    return {"runtime_env": {"env_vars": {STEP_PAUSE_ENV: str(pause_s)}}}
+
+
+def slowed_from_the_start(server: Any) -> None:
+    pause_s = float(os.environ.get(STEP_PAUSE_ENV, 0))
+    if pause_s:
+        slow_steps(server.engine.engine, pause_s, math.inf)
+
+
 class FaultyDecode(DecodeDeployment.func_or_class):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        slowed_from_the_start(self.server)
+
     async def inject_fault(self, kind: str) -> None:
         engine = self.server.engine  # the AsyncEngine
         if kind == "wedge":
@@ -67,6 +90,10 @@ class FaultyDecode(DecodeDeployment.func_or_class):
 
 class FaultyPrefill(PrefillDeployment.func_or_class):
     exit_after_handoff = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        slowed_from_the_start(self.server)
 
     async def inject_fault(self, kind: str) -> None:
         if kind != "exit_after_handoff":

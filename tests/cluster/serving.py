@@ -183,13 +183,14 @@ def pool_stats(url: str, pools: tuple[str, ...], timeout_s: float = 30.0) -> dic
         time.sleep(0.1)
 
 
-def chat_in_background(url: str, content: str, max_tokens: int) -> tuple[threading.Thread, dict[str, Any]]:
+def chat_in_background(url: str, content: str, max_tokens: int,
+                       model: str = "SmolLM2-135M-Instruct") -> tuple[threading.Thread, dict[str, Any]]:
     """A greedy chat completion on its own thread; the dict gets finish/tokens, or error."""
     result: dict[str, Any] = {}
 
     def ask() -> None:
         try:
-            r = client(url).chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0,
+            r = client(url).chat.completions.create(model=model, temperature=0,
                                                     max_tokens=max_tokens,
                                                     messages=[{"role": "user", "content": content}])
             result["finish"], result["tokens"] = r.choices[0].finish_reason, r.usage.completion_tokens

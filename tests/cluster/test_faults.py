@@ -9,7 +9,9 @@ on a local Ray with real processes:
     frees the prefill's blocks), or stopped past the lease and resumed (late ack counted); a
     prefill replica dead before its KV is fetched (recompute)
 Apps are deployed as `serve deploy` deploys them (apply_serve_config), pool options from YAML,
-over the pools of tests/fault_pools.py (the real ones, with fault hooks a test arms)."""
+over the pools of tests/fault_pools.py (the real ones, with fault hooks a test arms), serving the
+tiny random Llama: where a fault must land while a request runs, its pool's engine steps are
+slowed from the start (TANDEM_TEST_STEP_PAUSE_S), so the timing is the test's, not the model's."""
 
 from __future__ import annotations
 
@@ -23,21 +25,38 @@ import time
 
 import pytest
 
+from fault_pools import step_pause_env
 from serving import (APP, SteadyStream, apply_config, chat_in_background, client, fresh, http_request, load_config,
                      open_stream, pool_stats, replica_stats, running_replicas, settled, wait_for, wait_for_replica)
 
 pytestmark = pytest.mark.slow
 
-LONG = "Summarize these notes: " + " ".join(f"item{i} is filed under shelf {i % 7}" for i in range(160))
+# ~760 prompt tokens with the chat template: three prefill steps of 256 on the tiny random Llama
+# (its context is 1,024), each slowed to PREFILL_PAUSE_S where a test acts while the prompt is computed
+LONG = "Summarize these notes: " + " ".join(f"item{i} is filed under shelf {i % 7}" for i in range(80))
+PREFILL_PAUSE_S = 0.6
+
+
+def on_tiny(config_file: str, tiny_model_paths: dict, **engine: object) -> dict:
+    """A config's app args serving the tiny random Llama (as "tiny"), these engine options over its."""
+    args = load_config(config_file)["applications"][0]["args"]
+    args.update(model=str(tiny_model_paths["llama"]), served_model_name="tiny")
+    args["engine"] = {**args["engine"], **engine}
+    return args
 
 
 def config(args: dict, prefill: int | None, decode: int = 1, prefill_resources: dict | None = None,
-           routers: int = 1, **decode_options) -> dict:
+           routers: int = 1, pauses: dict[str, float] | None = None, **decode_options) -> dict:
+    """`pauses`: pool deployment → seconds every engine step of its replicas pauses, from their start
+    (tests/fault_pools.py)."""
+    pauses = pauses or {}
+    paused = lambda name: step_pause_env(pauses[name]) if name in pauses else {}  # noqa: E731
     deployments = [{"name": "Router", "num_replicas": routers, "ray_actor_options": {"num_cpus": 0}},
-                   {"name": "DecodePool", "num_replicas": decode, "ray_actor_options": {"num_cpus": 0.5},
-                    **decode_options}]
+                   {"name": "DecodePool", "num_replicas": decode,
+                    "ray_actor_options": {"num_cpus": 0.5, **paused("DecodePool")}, **decode_options}]
     if prefill is not None:
-        options = {"num_cpus": 0.5, **({"resources": prefill_resources} if prefill_resources else {})}
+        options = {"num_cpus": 0.5, **({"resources": prefill_resources} if prefill_resources else {}),
+                   **paused("PrefillPool")}
         deployments.append({"name": "PrefillPool", "num_replicas": prefill, "ray_actor_options": options})
     return {"applications": [{"name": APP, "route_prefix": "/", "import_path": "fault_pools:build_app",
                               "args": args, "deployments": deployments}]}
@@ -48,11 +67,12 @@ def post_chat(url: str, body: dict) -> tuple[int, dict, dict]:
     return status, headers, json.loads(raw)
 
 
-def test_prefill_replica_killed_before_handoff_is_retried_on_another(serve_url):
-    args = load_config("serve-tcp.yaml")["applications"][0]["args"]
-    args["engine"] = {**args["engine"], "max_num_batched_tokens": 256, "cpu_kv_cache_bytes": 256 << 20}
-    fresh(config(args, prefill=2), {"Router": 1, "DecodePool": 1, "PrefillPool": 2})
-    worker, result = chat_in_background(serve_url, LONG, 8)
+def test_prefill_replica_killed_before_handoff_is_retried_on_another(serve_url, tiny_model_paths):
+    """On the tiny random Llama, its prefill steps slowed: the kill lands while the prompt is computed."""
+    args = on_tiny("serve-tcp.yaml", tiny_model_paths, max_num_batched_tokens=256, cpu_kv_cache_bytes=64 << 20)
+    fresh(config(args, prefill=2, pauses={"PrefillPool": PREFILL_PAUSE_S}),
+          {"Router": 1, "DecodePool": 1, "PrefillPool": 2})
+    worker, result = chat_in_background(serve_url, LONG, 8, model="tiny")
     # the replica that is prefilling our prompt
     busy = wait_for_replica(serve_url, lambda s: s["pool"] == "prefill" and s["queued_prompt_tokens"] > 0, 30,
                             "a prefill replica to take the prompt")
@@ -210,7 +230,7 @@ def stream_text(url: str, content: str, max_tokens: int, on_chunk=None) -> tuple
     """Stream a greedy chat completion over raw HTTP: (text, finish_reason, error object)."""
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=120)
-    body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": content}],
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}],
             "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": True}
     conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
     resp = conn.getresponse()
@@ -240,15 +260,16 @@ def kill_the_busy_decode_replica(url: str) -> None:
     os.kill(busy[0]["pid"], signal.SIGKILL)
 
 
-def test_decode_replica_killed_mid_stream_the_stream_moves_to_another(serve_url):
+def test_decode_replica_killed_mid_stream_the_stream_moves_to_another(serve_url, tiny_model_paths):
     """With migration off, the client is told (an error chunk, no clean finish). With it on, and
     speculative decoding on, the stream goes on on the other replica with the tokens it gets
-    without either: the new replica drafts from the stream's token ids alone."""
-    args = load_config("colocated.yaml")["applications"][0]["args"]
+    without either: the new replica drafts from the stream's token ids alone. On the tiny random
+    Llama, each decode step slowed to 50 ms: a 96-token stream lasts ~5 s."""
     # float32: the moved stream's prompt is recomputed, and bf16 could break a near-tie otherwise
-    args["engine"] = {**args["engine"], "cpu_kv_cache_bytes": 256 << 20, "dtype": "float32"}
+    args = on_tiny("colocated.yaml", tiny_model_paths, cpu_kv_cache_bytes=64 << 20, dtype="float32")
+    slowed = {"DecodePool": 0.05}
     prompt = "Tell me a long story about a lighthouse keeper."
-    fresh(config({**args, "max_migrations": 0}, prefill=None, decode=2), {"Router": 1, "DecodePool": 2})
+    fresh(config({**args, "max_migrations": 0}, prefill=None, decode=2, pauses=slowed), {"Router": 1, "DecodePool": 2})
     reference, finish, error = stream_text(serve_url, prompt, 96)
     assert finish == "length" and error is None
 
@@ -266,8 +287,11 @@ def test_decode_replica_killed_mid_stream_the_stream_moves_to_another(serve_url)
     for s in replica_stats(serve_url):
         assert s["blocks_in_use"] == 0 and s["num_running"] == 0, s
 
-    spec = {"method": "ngram", "prompt_lookup_min": 1}
-    fresh(config({**args, "speculative_config": spec}, prefill=None, decode=2), {"Router": 1, "DecodePool": 2})
+    # always drafting: adaptive would fit the tiny model's step cost, where a draft token costs
+    # about what a step does (the pause aside), and rightly draft nothing
+    spec = {"method": "ngram", "prompt_lookup_min": 1, "adaptive": False}
+    fresh(config({**args, "speculative_config": spec}, prefill=None, decode=2, pauses=slowed),
+          {"Router": 1, "DecodePool": 2})
     killed.clear()
     moved, finish, error = stream_text(serve_url, prompt, 96, on_chunk=kill_at)
     assert killed.is_set()
@@ -277,12 +301,13 @@ def test_decode_replica_killed_mid_stream_the_stream_moves_to_another(serve_url)
     assert survivor and all(s["spec_num_draft_tokens"] > 0 for s in survivor)
 
 
-def test_decode_replica_killed_after_prefill_the_prefill_blocks_return_within_the_lease(serve_url):
-    args = load_config("serve-shared-store.yaml")["applications"][0]["args"]
-    args["engine"] = {**args["engine"], "max_num_batched_tokens": 256, "cpu_kv_cache_bytes": 256 << 20}
+def test_decode_replica_killed_after_prefill_the_prefill_blocks_return_within_the_lease(serve_url, tiny_model_paths):
+    """On the tiny random Llama, its prefill steps slowed: the kill lands while the prompt is computed."""
+    args = on_tiny("serve-shared-store.yaml", tiny_model_paths, max_num_batched_tokens=256, cpu_kv_cache_bytes=64 << 20)
     args["kv_transfer"] = {**args["kv_transfer"], "lease_s": 3}
-    fresh(config(args, prefill=1, decode=2), {"Router": 1, "DecodePool": 2, "PrefillPool": 1})
-    worker, result = chat_in_background(serve_url, LONG, 8)
+    fresh(config(args, prefill=1, decode=2, pauses={"PrefillPool": PREFILL_PAUSE_S}),
+          {"Router": 1, "DecodePool": 2, "PrefillPool": 1})
+    worker, result = chat_in_background(serve_url, LONG, 8, model="tiny")
     # the decode replica waiting on the prefill of our prompt
     waiting = wait_for_replica(serve_url, lambda s: s["pool"] == "decode" and s["num_remote"] > 0, 30,
                                "a decode replica to reserve the prompt")

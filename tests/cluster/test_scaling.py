@@ -1,11 +1,12 @@
 """Must-show 4 of the cluster issue: under a steady request stream, redeploying the Serve config
 with 1P1D → 2P1D → 1P2D changes the pools (Serve's replica counts, and every new replica serves)
 and no request fails; then back to 1P1D, the leaving decode replica draining its streams
-(reliability fault 11: scale-down under load), within seconds of its streams' end. Deployed the way `serve deploy configs/serve.yaml` deploys: the whole
-config, pool sizes and actor options from YAML, handed to the Serve controller. And with two
-prefill replicas, a conversation's next turn goes where its history is cached. Both on a tiny
-random Llama with the default model's tokenizer: what they check is the pools, not the model's
-words, and its replicas start and answer in a fraction of the default model's time.
+(reliability fault 11: scale-down under load), within seconds of its streams' end. Deployed the
+way `serve deploy configs/serve.yaml` deploys: the whole config, pool sizes and actor options from
+YAML, handed to the Serve controller. With two prefill replicas, a conversation's next turn goes
+where its history is cached. And the prefill pool autoscales on its queued prompt tokens. All on a
+tiny random Llama with the default model's tokenizer: what they check is the pools, not the
+model's words, and its replicas start and answer in a fraction of the default model's time.
 """
 
 from __future__ import annotations
@@ -68,8 +69,6 @@ def test_redeploying_pool_sizes_under_load_fails_no_request(serve_url, tiny_mode
     from ray import serve
 
     tiny = str(tiny_model_paths["llama"])
-
-    serve.delete(APP)  # the app earlier modules deployed with serve.run: this one is config-managed
     apply_config(sized(1, 1, tiny))
     wait_for(pools_are(1, 1), 240, "1 prefill + 1 decode replica")
     model = client(serve_url).models.list().data[0].id
@@ -153,30 +152,41 @@ def test_a_conversations_next_turn_is_prefilled_where_its_history_is_cached(serv
         assert trace2["kv_bytes"] == trace["kv_bytes"] // sent[0] * sent[1], k  # the new blocks alone
 
 
-def test_the_prefill_pool_autoscales_on_the_prompt_tokens_queued_to_compute(serve_url):
-    """configs/serve-autoscaling.yaml, its delays shortened: two long prompts queue more prompt
-    tokens than one prefill replica's target (2,048), so Serve starts a second one (its default
-    policy, 2 ongoing requests per replica, would not), while the decode pool, far from its
-    targets, stays at one; idle again, the pool goes back to one. Both requests are answered."""
+def test_the_prefill_pool_autoscales_on_the_prompt_tokens_queued_to_compute(serve_url, tiny_model_paths):
+    """configs/serve-autoscaling.yaml, its delays shortened, serving the tiny random Llama over the
+    pools of tests/fault_pools.py, each prefill step (512 prompt tokens) slowed to 2 s: four prompts
+    queue ~3,700 prompt tokens, more than one prefill replica's target (2,048), so Serve starts a
+    second one (its default policy, 2 ongoing requests per replica, would not), while the decode
+    pool, far from its targets, stays at one; idle again, the pool goes back to one. Every request
+    is answered."""
+    from fault_pools import step_pause_env
+
     config = load_config("serve-autoscaling.yaml")
-    for d in config["applications"][0]["deployments"]:
+    app = config["applications"][0]
+    app["import_path"] = "fault_pools:build_app"
+    app["args"].update(model=str(tiny_model_paths["llama"]), served_model_name=TINY)
+    app["args"]["engine"]["cpu_kv_cache_bytes"] = 64 << 20
+    for d in app["deployments"]:
         if "autoscaling_config" in d:
             d["autoscaling_config"].update(upscale_delay_s=1, downscale_delay_s=2, look_back_period_s=2)
+        if d["name"] == "PrefillPool":
+            # ~16 s of prefill in all: the load outlasts a new replica's start on a slow host
+            d["ray_actor_options"] = {**d["ray_actor_options"], **step_pause_env(2.0)}
     apply_config(config)
     wait_for(pools_are(1, 1), 240, "1 prefill + 1 decode replica")
     c = client(serve_url)
     prefill = lambda: running_replicas(settled=False).get("PrefillPool", 0)  # noqa: E731
 
-    def ask(k: int):  # ~3,300 prompt tokens, new to every cache
-        notes = " ".join(f"bale{(j * 7 + k) % 97} went north" for j in range(600))
-        return c.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=4, temperature=0,
+    def ask(k: int):  # ~920 prompt tokens (of the tiny model's 1,024), new to every cache
+        notes = " ".join(f"bale{(j * 7 + k) % 97} went north" for j in range(150))
+        return c.chat.completions.create(model=TINY, max_tokens=4, temperature=0,
                                          messages=[{"role": "user", "content": f"Shipment {k}: {notes}"}])
 
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        replies = [pool.submit(ask, k) for k in range(2)]  # ~6,600 tokens: 2,048 per replica wants 4
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        replies = [pool.submit(ask, k) for k in range(4)]  # ~3,700 tokens: 2,048 per replica wants 2
         wait_for(lambda: prefill() == 2, 120, "a second prefill replica (max_replicas 2)")
         replies = [r.result(timeout=300) for r in replies]
     assert all(r.choices[0].finish_reason == "length" for r in replies)
-    assert all(r.usage.prompt_tokens > 3000 for r in replies)
-    assert running_replicas(settled=False).get("DecodePool") == 1  # 2 requests, ~60% of its KV cache
+    assert sum(r.usage.prompt_tokens for r in replies) > 3600
+    assert running_replicas(settled=False).get("DecodePool") == 1  # 4 requests, a sliver of its KV cache
     wait_for(lambda: prefill() == 1, 120, "the prefill pool back to one replica once idle")
