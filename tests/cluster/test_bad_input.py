@@ -28,8 +28,23 @@ def app_args(model_path: str, **extra) -> dict:
 
 
 @pytest.fixture(scope="module")
-def url(serve_url, tiny_model_paths):
-    deploy(app_args(str(tiny_model_paths["llama"])))
+def app(serve_url):
+    """Deploys these app args unless they are the ones deployed already: a test that needs other
+    args deploys them and leaves them, and the next test that needs the module's own redeploys."""
+    deployed: dict[str, dict] = {}
+
+    def ensure(args: dict) -> None:
+        if deployed.get("args") != args:
+            deploy(args)
+            deployed["args"] = args
+
+    return ensure
+
+
+@pytest.fixture
+def url(serve_url, app, tiny_model_paths):
+    """The module's app (app_args), deployed."""
+    app(app_args(str(tiny_model_paths["llama"])))
     return serve_url
 
 
@@ -214,59 +229,56 @@ def test_after_every_bad_request_the_server_still_serves_and_holds_nothing(url):
     assert decode["blocks_in_use"] == 0 and decode["num_running"] == 0 and decode["num_waiting"] == 0
 
 
-def test_api_key_guards_v1_and_tokenize_but_not_health(url, tiny_model_paths):
-    deploy(app_args(str(tiny_model_paths["llama"]), api_key="sk-tandem-test"))
-    try:
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sk-tandem-test"}):
-            for method, path, body in (("POST", CHAT, chat()), ("POST", COMP, completion()),
-                                       ("GET", "/v1/models", None), ("GET", f"/v1/models/{MODEL}", None),
-                                       ("GET", "/debug/stats", None), ("POST", "/tokenize", completion()),
-                                       ("POST", "/detokenize", b'{"tokens": [1]}')):
-                status, _, raw = request(url, method, path, body, headers)
-                assert status == 401, (path, headers, status)
-                err = json.loads(raw)["error"]
-                assert err["type"] == "authentication_error" and "sk-tandem-test" not in raw.decode()
-        assert request(url, "GET", "/health")[0] == 200
-        ok = {"Authorization": "Bearer sk-tandem-test"}
-        assert request(url, "GET", "/v1/models", None, ok)[0] == 200
-        assert request(url, "POST", CHAT, chat(), ok)[0] == 200
-        assert request(url, "POST", "/tokenize", completion(), ok)[0] == 200
-    finally:
-        deploy(app_args(str(tiny_model_paths["llama"])))
+def test_api_key_guards_v1_and_tokenize_but_not_health(serve_url, app, tiny_model_paths):
+    url = serve_url
+    app(app_args(str(tiny_model_paths["llama"]), api_key="sk-tandem-test"))
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sk-tandem-test"}):
+        for method, path, body in (("POST", CHAT, chat()), ("POST", COMP, completion()),
+                                   ("GET", "/v1/models", None), ("GET", f"/v1/models/{MODEL}", None),
+                                   ("GET", "/debug/stats", None), ("POST", "/tokenize", completion()),
+                                   ("POST", "/detokenize", b'{"tokens": [1]}')):
+            status, _, raw = request(url, method, path, body, headers)
+            assert status == 401, (path, headers, status)
+            err = json.loads(raw)["error"]
+            assert err["type"] == "authentication_error" and "sk-tandem-test" not in raw.decode()
+    assert request(url, "GET", "/health")[0] == 200
+    ok = {"Authorization": "Bearer sk-tandem-test"}
+    assert request(url, "GET", "/v1/models", None, ok)[0] == 200
+    assert request(url, "POST", CHAT, chat(), ok)[0] == 200
+    assert request(url, "POST", "/tokenize", completion(), ok)[0] == 200
 
 
-def test_overload_beyond_the_limit_is_a_fast_503_and_admitted_requests_finish(url, tiny_model_paths):
+def test_overload_beyond_the_limit_is_a_fast_503_and_admitted_requests_finish(serve_url, app, tiny_model_paths):
     import concurrent.futures
     import time
+
+    url = serve_url
 
     # one sequence at a time on the engine and 4 samples of 150 tokens per request, so three
     # requests stay in flight for seconds even on the tiny model (1,800 steps one after another)
     args = app_args(str(tiny_model_paths["llama"]), max_concurrent_requests=3)
     args["engine"] = {**args["engine"], "max_num_seqs": 1}
-    deploy(args)
+    app(args)
     long = chat(max_tokens=150, ignore_eos=True, temperature=0, n=4)
-    try:
-        with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            def admitted(_):
-                status, _, raw = request(url, "POST", CHAT, long)
-                return status, time.monotonic(), json.loads(raw)
-            running = [pool.submit(admitted, i) for i in range(3)]
-            deadline = time.monotonic() + 30
-            while True:  # all three are inside the server (a new replica posts its stats soon after it starts)
-                busy = sum(d["num_running"] + d["num_waiting"] for d in replica_stats(url))
-                if busy > 2 * 4:  # more than two requests' samples
-                    break
-                assert time.monotonic() < deadline, "the three requests never were in flight together"
-            t0 = time.monotonic()
-            status, headers, raw = request(url, "POST", CHAT, chat())
-            refused_at = time.monotonic()
-            results = [f.result() for f in running]
-        assert status == 503 and headers.get("retry-after") == "1", (status, raw)
-        assert json.loads(raw)["error"]["code"] == "overloaded"
-        assert refused_at - t0 < 0.5  # refused at once, not queued
-        for status, _, body in results:  # what was admitted still completes, untouched
-            assert status == 200 and body["usage"]["completion_tokens"] == 4 * 150
-        assert max(finished for _, finished, _ in results) > refused_at
-        assert request(url, "POST", CHAT, chat())[0] == 200  # room again
-    finally:
-        deploy(app_args(str(tiny_model_paths["llama"])))
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        def admitted(_):
+            status, _, raw = request(url, "POST", CHAT, long)
+            return status, time.monotonic(), json.loads(raw)
+        running = [pool.submit(admitted, i) for i in range(3)]
+        deadline = time.monotonic() + 30
+        while True:  # all three are inside the server (a new replica posts its stats soon after it starts)
+            busy = sum(d["num_running"] + d["num_waiting"] for d in replica_stats(url))
+            if busy > 2 * 4:  # more than two requests' samples
+                break
+            assert time.monotonic() < deadline, "the three requests never were in flight together"
+        t0 = time.monotonic()
+        status, headers, raw = request(url, "POST", CHAT, chat())
+        refused_at = time.monotonic()
+        results = [f.result() for f in running]
+    assert status == 503 and headers.get("retry-after") == "1", (status, raw)
+    assert json.loads(raw)["error"]["code"] == "overloaded"
+    assert refused_at - t0 < 0.5  # refused at once, not queued
+    for status, _, body in results:  # what was admitted still completes, untouched
+        assert status == 200 and body["usage"]["completion_tokens"] == 4 * 150
+    assert max(finished for _, finished, _ in results) > refused_at
+    assert request(url, "POST", CHAT, chat())[0] == 200  # room again
