@@ -53,7 +53,9 @@ def shipped_args(config_file: str) -> dict[str, Any]:
 
 def deploy(args: dict[str, Any], faults: bool = False) -> None:
     """(Re)deploy the Tandem app with these args through serve.run; returns when it is healthy.
-    `faults`: pools a test can arm faults in (tests/fault_pools.py)."""
+    An app deployed before is deleted first: replaced in place, its old router could still answer
+    while the proxy learns of the new one. `faults`: pools a test can arm faults in
+    (tests/fault_pools.py)."""
     from ray import serve
 
     if faults:
@@ -61,6 +63,7 @@ def deploy(args: dict[str, Any], faults: bool = False) -> None:
     else:
         from cluster.router.app import build_app
 
+    serve.delete(APP)
     serve.run(build_app(args), name=APP, route_prefix="/")
 
 

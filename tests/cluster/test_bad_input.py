@@ -12,7 +12,7 @@ import pickle
 
 import pytest
 
-from serving import APP, deploy, replica_stats, settled
+from serving import deploy, replica_stats, settled
 from serving import http_request as request
 
 pytestmark = pytest.mark.slow
@@ -30,17 +30,11 @@ def app_args(model_path: str, **extra) -> dict:
 @pytest.fixture(scope="module")
 def app(serve_url):
     """Deploys these app args unless they are the ones deployed already: a test that needs other
-    args deploys them and leaves them, and the next test that needs the module's own redeploys.
-    The app before is deleted first: while the proxy learns of a replaced app, its old router
-    could still answer (with the old API key, or none)."""
-    from ray import serve
-
+    args deploys them and leaves them, and the next test that needs the module's own redeploys."""
     deployed: dict[str, dict] = {}
 
     def ensure(args: dict) -> None:
         if deployed.get("args") != args:
-            if deployed:
-                serve.delete(APP)
             deploy(args)
             deployed["args"] = args
 

@@ -343,9 +343,7 @@ def test_prefill_dies_after_putting_the_kv_the_failure_policy_recomputes(serve_u
     0.3 s after its hand-off, the decode replica fetches 1.5 s after it), not by the model."""
     from ray import serve
 
-    args = load_config("serve-shared-store.yaml")["applications"][0]["args"]
-    args.update(model=str(tiny_model_paths["llama"]), served_model_name="tiny")
-    args["engine"] = {**args["engine"], "cpu_kv_cache_bytes": 64 << 20}
+    args = on_tiny("serve-shared-store.yaml", tiny_model_paths, cpu_kv_cache_bytes=64 << 20)
     fresh(config(args, prefill=1), {"Router": 1, "DecodePool": 1, "PrefillPool": 1})
     c = client(serve_url)
     question = [{"role": "user", "content": "What is the capital of France?"}]
