@@ -55,6 +55,9 @@ class KernelOps(NamedTuple):
     # store_kv and paged_decode_attention also take bfloat16 caches beside float32 activations
     # (a CPU engine in bf16 keeps its K/V in bf16: half the bytes decode attention reads)
     bf16_kv: bool = False
+    # float32 weights that are exactly 4/8-bit blocks (a checkpoint converted from a quantized
+    # GGUF) also kept as those blocks, for decode steps' few-row products (kernels/block_weights.py)
+    block_weights: bool = False
 
 
 TRITON_OPS = KernelOps(store_kv, paged_decode_attention, pack_kv, unpack_kv)
@@ -62,7 +65,8 @@ REFERENCE_OPS = KernelOps(ref_store_kv, ref_paged_decode_attention, ref_pack_kv,
 CPU_OPS = REFERENCE_OPS._replace(store_kv=cpu_store_kv, paged_decode_attention=cpu_paged_decode_attention,
                                  decode_in_place=True, prefill_attention=cpu_prefill_attention,
                                  add_rms_norm=cpu_add_rms_norm, rope_=cpu_rope_, bf16_kv=True,
-                                 silu_mul=cpu_silu_mul, decode_attention=cpu_decode_attention)
+                                 silu_mul=cpu_silu_mul, decode_attention=cpu_decode_attention,
+                                 block_weights=True)
 
 
 # a CPU with AMX: a bf16 engine's prefill attention through torch's fused SDPA, whose bf16 products

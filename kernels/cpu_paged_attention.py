@@ -34,7 +34,8 @@ from kernels.reference import sdpa_causal_attention
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".c")
-SOURCES = (SOURCE, SOURCE.with_name("cpu_layer_ops.c"))  # one library: see kernels/cpu_layer_ops.py
+SOURCES = (SOURCE, SOURCE.with_name("cpu_layer_ops.c"),  # one library: see kernels/cpu_layer_ops.py,
+           SOURCE.with_name("cpu_block_matmul.c"))  # kernels/block_weights.py
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-shared", "-fPIC")
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 KV_DTYPES = (torch.float32, torch.bfloat16)  # what the caches may hold (arithmetic is fp32)
@@ -107,6 +108,12 @@ def load() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.restype = _I64
         fn.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64]
+    fn = lib.tandem_block_matmul
+    fn.restype = None
+    fn.argtypes = [_I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR]
+    fn = lib.tandem_block_dequant
+    fn.restype = None
+    fn.argtypes = [_I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR]
     return lib
 
 

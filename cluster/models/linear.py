@@ -10,6 +10,10 @@
       thread, 30 distinct 1536x576 weights: 512 rows 1.87 ms vs 3.64 ms packed fp32, 16 rows
       0.11 vs 0.20 ms, 1 row 0.057 vs 0.097 ms.
   Anything else (GPU, no oneDNN): W kept [in, out] contiguous for `x @ W`.
+  CPU, float32 W that is 4- or 8-bit blocks exactly (a checkpoint converted from a quantized
+      GGUF, such as the default model): the blocks are kept too, and products of up to
+      `block_weights.MAX_ROWS` rows (decode steps) read them instead, 0.75 or 1.125 bytes a
+      weight instead of 4, in float32 arithmetic (kernels/block_weights.py).
 
 The packed weight is opaque: code that needs W itself (a tied embedding) keeps its own copy.
 """
@@ -17,6 +21,8 @@ The packed weight is opaque: code that needs W itself (a tied embedding) keeps i
 from __future__ import annotations
 
 import torch
+
+from kernels.block_weights import BlockWeight
 
 
 def _native_bf16() -> bool:
@@ -59,14 +65,18 @@ def onednn_packing(dtype: torch.dtype = torch.float32) -> bool:
 
 class Linear:
     def __init__(self, weight_out_in: torch.Tensor, bias: torch.Tensor | None = None, *,
-                 pack: bool | None = None, shared: bool = False) -> None:
+                 pack: bool | None = None, shared: bool = False, blocks: BlockWeight | None = None) -> None:
         """`weight_out_in`: [out, in], as HF checkpoints store it. `pack`: None = when it helps.
         `shared`: the tensor is also used elsewhere (a tied embedding): unpacked, multiply by a
-        transposed view of it instead of a copy."""
+        transposed view of it instead of a copy. `blocks`: the same float32 weights as blocks
+        (block_weights.pack_exact), for products of few rows."""
         w = weight_out_in
         self.in_features, self.out_features = w.shape[1], w.shape[0]
         self.dtype = w.dtype  # what the product is computed in; x of another dtype is cast to it
         self.bias = bias
+        if blocks is not None and (blocks.shape != tuple(w.shape) or w.dtype != torch.float32):
+            raise ValueError(f"blocks {blocks.shape} do not hold this float32 weight {tuple(w.shape)} {w.dtype}")
+        self.blocks = blocks
         if pack is None:
             pack = w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16) and onednn_packing(w.dtype)
         self.packed = pack
@@ -79,6 +89,9 @@ class Linear:
         """x [T, in] → [T, out], in x's dtype."""
         if x.dtype != self.dtype:  # bf16 weights beside float32 activations (a CPU engine's bfloat16)
             return self(x.to(self.dtype)).to(x.dtype)
+        if self.blocks is not None and x.shape[0] <= self.blocks.max_rows:
+            y = self.blocks.matmul(x)
+            return y if self.bias is None else y.add_(self.bias)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)

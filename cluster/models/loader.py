@@ -12,6 +12,7 @@ from cluster.models.architecture import Architecture
 from cluster.models.linear import Linear, RefinedHead
 from cluster.models.llama import LayerWeights, LlamaModel, ModelWeights
 from kernels import KernelOps
+from kernels.block_weights import pack_exact
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -59,7 +60,10 @@ def load_model(folder: str | Path, arch: Architecture, ops: KernelOps, dtype: to
         w = fuse(*keys)
         if matmul_dtype is not None:
             w, b = w.to(matmul_dtype), None if b is None else b.to(matmul_dtype)  # type: ignore[union-attr]
-        return Linear(w, b)  # type: ignore[arg-type]
+        return Linear(w, b, blocks=blocks(w))  # type: ignore[arg-type]
+
+    def blocks(w: torch.Tensor):  # the weights' 4/8-bit blocks, where they are exactly that
+        return pack_exact(w) if ops.block_weights else None
 
     layers = []
     for i in range(arch.num_layers):
@@ -81,7 +85,8 @@ def load_model(folder: str | Path, arch: Architecture, ops: KernelOps, dtype: to
         if matmul_dtype is not None:
             lm_head = RefinedHead(embed)  # type: ignore[arg-type]
         else:
-            lm_head = Linear(embed, shared=True)  # packed, it is a copy: a packed head cannot be indexed
+            lm_head = Linear(embed, shared=True, blocks=blocks(embed))  # packed, it is a copy: a packed
+                                                                         # head cannot be indexed
     elif matmul_dtype is not None:
         lm_head = RefinedHead(take("lm_head.weight"))  # type: ignore[arg-type]
     else:

@@ -1,0 +1,137 @@
+"""Float32 weights that are block-quantized values, kept as their blocks for few-row products.
+
+A checkpoint converted from a quantized GGUF holds, in float32, weights that were 4-bit or 8-bit
+blocks of 32: the default model's projections were Q4_1 (w = d * q + m, q in [0, 15]) and its
+tied embedding Q8_0 (w = d * q, q in [-127, 127]), with d and m fp16. `pack_exact` finds those
+blocks again from the float32 tensor and keeps them only if every weight comes back bit for bit;
+anything else (a bf16 or fp32 checkpoint) gives None and stays as it was.
+
+Why: a decode step is a product of a few rows against every weight, and on a CPU short of memory
+bandwidth it waits on the weights' bytes. Kept as blocks they are 0.75 bytes a weight (4-bit,
+with d and m as float32) or 1.125 (8-bit) instead of 4, and `BlockWeight.matmul` dequantizes them
+in registers (kernels/cpu_block_matmul.c). The product is float32 arithmetic on the same float32
+weights, so the engine's numbers are float32's, in another summation order. Past `MAX_ROWS` rows
+the product is compute-bound and oneDNN's packed fp32 GEMM is the faster: cluster/models/linear.py
+keeps both and picks by rows.
+
+Measured on the 2-core AVX2 EPYC, one thread, the default model's weights (docs/performance.md
+has the table): its 210 projections at 1 row 17.7 ms against 66.8 in packed fp32, 8 rows 76-84
+against 108-111, 16 rows 111-141 against 138-141, 24 rows 166-181 against 149-162; its 8-bit
+head at 1 row 4.2 against 15.4 ms, 8 rows 20-22 against 24-27, 16 rows 32-38 against 28-32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.cpu_paged_attention import available, built
+
+BLOCK = 32
+# rows up to which a product goes through the blocks, by bits (above: oneDNN's fp32 GEMM is the faster)
+MAX_ROWS = {4: 16, 8: 8}
+_MAX_K = 8192  # the kernel dequantizes two weight rows into a stack buffer of 2 * K floats
+_CHUNK_ROWS = 4096  # rows checked at a time: bounds the temporaries on a large head
+
+
+@dataclass(frozen=True)
+class BlockWeight:
+    """W [out, in] as blocks of 32 along `in`: `bits` 4 (qs uint8 [out, in / 2], two per byte,
+    byte j of a block q[j] | q[j + 16] << 4; w = d * q + m) or 8 (qs int8 [out, in]; w = d * q);
+    d and m float32 [out, in / 32] (m empty for 8 bits)."""
+
+    bits: int
+    qs: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.d.shape[0], self.d.shape[1] * BLOCK
+
+    @property
+    def max_rows(self) -> int:
+        """The most rows a product should read the blocks for (MAX_ROWS)."""
+        return MAX_ROWS[self.bits]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m))
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x float32 [T, in] → float32 [T, out] = x @ W.T."""
+        out_features, in_features = self.shape
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != in_features:
+            raise ValueError(f"x must be a float32 CPU tensor [T, {in_features}], got {x.dtype} "
+                             f"{tuple(x.shape)} on {x.device}")
+        x = x.contiguous()
+        y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+        if x.shape[0]:
+            built().tandem_block_matmul(self.bits, x.data_ptr(), x.shape[0], in_features, self.qs.data_ptr(),
+                                        self.d.data_ptr(), self.m.data_ptr(), out_features, y.data_ptr())
+        return y
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weights [out, in], as the checkpoint holds them."""
+        out_features, in_features = self.shape
+        w = torch.empty(out_features, in_features, dtype=torch.float32)
+        built().tandem_block_dequant(self.bits, self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr(),
+                                     out_features, in_features, w.data_ptr())
+        return w
+
+
+def _fp16_exact(t: torch.Tensor) -> bool:
+    return bool(torch.equal(t.half().float(), t))
+
+
+def _as_4bit(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """b float32 [rows, blocks, 32] → (q uint8, d, m) with b == d * q + m exactly, or None."""
+    m = b.amin(-1)
+    d = ((b.amax(-1) - m) / 15).half().float()
+    if not _fp16_exact(m) or not torch.isfinite(d).all():
+        return None
+    q = ((b - m[..., None]) / torch.where(d == 0, 1.0, d)[..., None]).round_()
+    if q.min() < 0 or q.max() > 15 or not torch.equal(q * d[..., None] + m[..., None], b):
+        return None
+    return q.to(torch.uint8), d, m
+
+
+def _as_8bit(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """b float32 [rows, blocks, 32] → (q int8, d) with b == d * q exactly, or None."""
+    d = (b.abs().amax(-1) / 127).half().float()
+    if not torch.isfinite(d).all():
+        return None
+    q = (b / torch.where(d == 0, 1.0, d)[..., None]).round_()
+    if q.abs().max() > 127 or not torch.equal(q * d[..., None], b):
+        return None
+    return q.to(torch.int8), d
+
+
+def pack_exact(w: torch.Tensor) -> BlockWeight | None:
+    """W float32 [out, in] → its 4-bit blocks, else its 8-bit blocks, when they give back every
+    weight exactly; None when neither does, or W is not a float32 CPU matrix the kernel takes
+    (in a multiple of 32 up to 8,192, out even) or the kernels are not built here."""
+    if (w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2 or w.shape[1] % BLOCK
+            or w.shape[1] > _MAX_K or w.shape[0] % 2 or not w.numel() or not available()):
+        return None
+    rows, cols = w.shape
+    blocks = w.detach().reshape(rows, cols // BLOCK, BLOCK)
+    for bits in (4, 8):
+        convert = _as_4bit if bits == 4 else _as_8bit
+        if convert(blocks[:1]) is None:  # one row says no to most tensors at once
+            continue
+        parts = []
+        for i in range(0, rows, _CHUNK_ROWS):
+            part = convert(blocks[i: i + _CHUNK_ROWS])
+            if part is None:
+                break
+            parts.append(part)
+        else:
+            q, d = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+            if bits == 8:
+                return BlockWeight(8, q.reshape(rows, cols), d, torch.empty(0))
+            m = torch.cat([p[2] for p in parts])  # type: ignore[misc]
+            qs = q[..., :16] | (q[..., 16:] << 4)  # [rows, blocks, 16]: the layout GGUF's Q4_1 uses
+            return BlockWeight(4, qs.reshape(rows, cols // 2).contiguous(), d, m)
+    return None

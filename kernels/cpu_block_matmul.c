@@ -1,0 +1,139 @@
+/* y = x @ W^T in float32, with W held as blocks of 32 weights along its input dimension, the
+ * way GGUF's Q4_1 and Q8_0 store them (kernels/block_weights.py):
+ *   4-bit: q in [0, 15], two to a byte (byte j of a block: q[j] | q[j + 16] << 4), w = d * q + m
+ *   8-bit: q in [-127, 127], one to a byte, w = d * q
+ * with d and m float32, one of each per block. d * q is exact in float32 (d comes from an fp16,
+ * q has at most 8 bits), so each weight is dequantized to exactly the float32 value the
+ * checkpoint's conversion produced; the product then runs in float32 FMAs, like any fp32 GEMM
+ * with its own summation order.
+ *
+ * Two weight rows are dequantized at a time into a buffer that stays in L1, then multiplied
+ * against x four rows at a time (eight accumulators). Weights are read once per call whatever
+ * the number of rows: a decode step reads 0.75 bytes a weight (4-bit) instead of 4. */
+
+#include <stdint.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+static inline void deq4_row(const uint8_t *qs, const float *d, const float *m, int64_t K, float *w) {
+    const __m128i low = _mm_set1_epi8(0x0f);
+    for (int64_t b = 0; b < K / 32; b++) {
+        __m128i raw = _mm_loadu_si128((const __m128i *)(qs + b * 16));
+        __m128i lo = _mm_and_si128(raw, low), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
+        __m256 vd = _mm256_set1_ps(d[b]), vm = _mm256_set1_ps(m[b]);
+        float *o = w + b * 32;
+        _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), vd, vm));
+        _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), vd, vm));
+        _mm256_storeu_ps(o + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), vd, vm));
+        _mm256_storeu_ps(o + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), vd, vm));
+    }
+}
+
+static inline void deq8_row(const int8_t *qs, const float *d, int64_t K, float *w) {
+    for (int64_t b = 0; b < K / 32; b++) {
+        __m256 vd = _mm256_set1_ps(d[b]);
+        for (int j = 0; j < 4; j++) {
+            __m128i v = _mm_loadl_epi64((const __m128i *)(qs + b * 32 + 8 * j));
+            _mm256_storeu_ps(w + b * 32 + 8 * j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), vd));
+        }
+    }
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* y[r, 0] = x[r] . w0 and y[r, 1] = x[r] . w1 for every row r (K a multiple of 32) */
+static void dot2(const float *x, int64_t M, int64_t K, const float *w0, const float *w1, float *y, int64_t ldy) {
+    int64_t r = 0;
+    for (; r + 4 <= M; r += 4) {
+        const float *x0 = x + r * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        for (int64_t k = 0; k < K; k += 8) {
+            __m256 u = _mm256_loadu_ps(w0 + k), v = _mm256_loadu_ps(w1 + k), t;
+            t = _mm256_loadu_ps(x0 + k); a0 = _mm256_fmadd_ps(u, t, a0); b0 = _mm256_fmadd_ps(v, t, b0);
+            t = _mm256_loadu_ps(x1 + k); a1 = _mm256_fmadd_ps(u, t, a1); b1 = _mm256_fmadd_ps(v, t, b1);
+            t = _mm256_loadu_ps(x2 + k); a2 = _mm256_fmadd_ps(u, t, a2); b2 = _mm256_fmadd_ps(v, t, b2);
+            t = _mm256_loadu_ps(x3 + k); a3 = _mm256_fmadd_ps(u, t, a3); b3 = _mm256_fmadd_ps(v, t, b3);
+        }
+        float *o = y + r * ldy;
+        o[0] = hsum(a0); o[ldy] = hsum(a1); o[2 * ldy] = hsum(a2); o[3 * ldy] = hsum(a3);
+        o[1] = hsum(b0); o[ldy + 1] = hsum(b1); o[2 * ldy + 1] = hsum(b2); o[3 * ldy + 1] = hsum(b3);
+    }
+    for (; r < M; r++) {
+        const float *xr = x + r * K;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
+        for (int64_t k = 0; k < K; k += 16) {
+            __m256 t = _mm256_loadu_ps(xr + k), s = _mm256_loadu_ps(xr + k + 8);
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k), t, a0); a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k + 8), s, a1);
+            b0 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + k), t, b0); b1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + k + 8), s, b1);
+        }
+        y[r * ldy] = hsum(_mm256_add_ps(a0, a1));
+        y[r * ldy + 1] = hsum(_mm256_add_ps(b0, b1));
+    }
+}
+
+#else  /* portable: the same arithmetic, left to the compiler */
+
+static inline void deq4_row(const uint8_t *qs, const float *d, const float *m, int64_t K, float *w) {
+    for (int64_t b = 0; b < K / 32; b++)
+        for (int j = 0; j < 16; j++) {
+            uint8_t v = qs[b * 16 + j];
+            w[b * 32 + j] = d[b] * (float)(v & 15) + m[b];
+            w[b * 32 + j + 16] = d[b] * (float)(v >> 4) + m[b];
+        }
+}
+
+static inline void deq8_row(const int8_t *qs, const float *d, int64_t K, float *w) {
+    for (int64_t k = 0; k < K; k++) w[k] = d[k / 32] * (float)qs[k];
+}
+
+static void dot2(const float *x, int64_t M, int64_t K, const float *w0, const float *w1, float *y, int64_t ldy) {
+    for (int64_t r = 0; r < M; r++) {
+        float a = 0.f, b = 0.f;
+        for (int64_t k = 0; k < K; k++) { a += x[r * K + k] * w0[k]; b += x[r * K + k] * w1[k]; }
+        y[r * ldy] = a;
+        y[r * ldy + 1] = b;
+    }
+}
+
+#endif
+
+/* x [M, K] float32 contiguous, y [M, N] float32 contiguous; K a multiple of 32, N even;
+ * 4-bit: qs [N, K / 2], d and m [N, K / 32]; 8-bit: qs [N, K], d [N, K / 32], m unused. */
+static void block_matmul(int bits, const float *x, int64_t M, int64_t K, const void *qs, const float *d,
+                         const float *m, int64_t N, float *y) {
+    float w[2 * K] __attribute__((aligned(32)));
+    int64_t row_bytes = bits == 4 ? K / 2 : K, blocks = K / 32;
+    for (int64_t n = 0; n < N; n += 2) {
+        for (int64_t i = 0; i < 2; i++) {
+            const uint8_t *q = (const uint8_t *)qs + (n + i) * row_bytes;
+            if (bits == 4)
+                deq4_row(q, d + (n + i) * blocks, m + (n + i) * blocks, K, w + i * K);
+            else
+                deq8_row((const int8_t *)q, d + (n + i) * blocks, K, w + i * K);
+        }
+        dot2(x, M, K, w, w + K, y + n, N);
+    }
+}
+
+void tandem_block_matmul(int64_t bits, const float *x, int64_t M, int64_t K, const void *qs, const float *d,
+                         const float *m, int64_t N, float *y) {
+    block_matmul((int)bits, x, M, K, qs, d, m, N, y);
+}
+
+/* the float32 weights [N, K] themselves (a check, and the rows a tied embedding looks up) */
+void tandem_block_dequant(int64_t bits, const void *qs, const float *d, const float *m, int64_t N, int64_t K,
+                          float *w) {
+    int64_t row_bytes = bits == 4 ? K / 2 : K, blocks = K / 32;
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *q = (const uint8_t *)qs + n * row_bytes;
+        if (bits == 4)
+            deq4_row(q, d + n * blocks, m + n * blocks, K, w + n * K);
+        else
+            deq8_row((const int8_t *)q, d + n * blocks, K, w + n * K);
+    }
+}
