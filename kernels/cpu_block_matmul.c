@@ -11,6 +11,7 @@
  * against x four rows at a time (eight accumulators). Weights are read once per call whatever
  * the number of rows: a decode step reads 0.75 bytes a weight (4-bit) instead of 4. */
 
+#include <math.h>
 #include <stdint.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -136,4 +137,49 @@ void tandem_block_dequant(int64_t bits, const void *qs, const float *d, const fl
         else
             deq8_row((const int8_t *)q, d + n * blocks, K, w + n * K);
     }
+}
+
+/* f rounded to the nearest fp16 value, ties to even, as a float; *ok = 0 past fp16's range
+ * (no NaN: the library is built with -ffast-math) */
+static float to_half(float f, int *ok) {
+    if (f == 0.f) return f;
+    int e;
+    frexpf(fabsf(f), &e);  /* |f| in [2^(e-1), 2^e) */
+    float step = ldexpf(1.f, e < -13 ? -24 : e - 11);  /* 11 significant bits; subnormals 2^-24 apart */
+    float r = nearbyintf(f / step) * step;
+    if (fabsf(r) > 65504.f) *ok = 0;
+    return r;
+}
+
+/* W float32 [N, K] → its blocks (the layout above) when every weight is exactly d * q + m
+ * (4 bits) or d * q (8 bits) with d and m fp16 values; returns 1, else 0 at the first block
+ * that is not (so most weights that are not blocks are refused after one block). */
+int64_t tandem_block_find(int64_t bits, const float *w, int64_t N, int64_t K, void *qs, float *d, float *m) {
+    int64_t blocks = K / 32;
+    for (int64_t i = 0; i < N * blocks; i++) {
+        const float *x = w + i * 32;
+        float lo = x[0], hi = x[0], big = fabsf(x[0]);
+        for (int j = 1; j < 32; j++) {
+            lo = x[j] < lo ? x[j] : lo;
+            hi = x[j] > hi ? x[j] : hi;
+            big = fabsf(x[j]) > big ? fabsf(x[j]) : big;
+        }
+        int ok = 1;
+        float scale = to_half(bits == 4 ? (hi - lo) / 15.f : big / 127.f, &ok), min = bits == 4 ? lo : 0.f;
+        if (!ok || (bits == 4 && (to_half(min, &ok) != min || !ok))) return 0;
+        int q[32];
+        for (int j = 0; j < 32; j++) {
+            float t = scale == 0.f ? 0.f : nearbyintf((x[j] - min) / scale);
+            if (t < (bits == 4 ? 0.f : -127.f) || t > (bits == 4 ? 15.f : 127.f) || scale * t + min != x[j]) return 0;
+            q[j] = (int)t;
+        }
+        d[i] = scale;
+        if (bits == 4) {
+            m[i] = min;
+            for (int j = 0; j < 16; j++) ((uint8_t *)qs)[i * 16 + j] = (uint8_t)(q[j] | q[j + 16] << 4);
+        } else {
+            for (int j = 0; j < 32; j++) ((int8_t *)qs)[i * 32 + j] = (int8_t)q[j];
+        }
+    }
+    return 1;
 }

@@ -114,6 +114,9 @@ def load() -> ctypes.CDLL | None:
     fn = lib.tandem_block_dequant
     fn.restype = None
     fn.argtypes = [_I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR]
+    fn = lib.tandem_block_find
+    fn.restype = _I64
+    fn.argtypes = [_I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR]
     return lib
 
 

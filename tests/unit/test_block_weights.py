@@ -1,0 +1,116 @@
+"""Float32 weights that are exactly 4- or 8-bit blocks (a checkpoint converted from a quantized
+GGUF, as the default model is) are kept as those blocks too, and a product of few rows reads
+them: every weight comes back bit for bit, the product is float32's within summation-order
+rounding, and any other weight stays float32 only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cluster.models.linear import Linear
+from kernels import CPU_OPS, cpu_paged_attention
+from kernels.block_weights import BlockWeight, pack_exact
+
+pytestmark = pytest.mark.skipif(not cpu_paged_attention.available(), reason="no C compiler: no CPU kernels here")
+
+
+def _extremes_in_every_block(q: torch.Tensor, low: int, high: int, gen: torch.Generator) -> torch.Tensor:
+    """Put `low` and `high` at random places of each block of 32, as a quantizer's min and max land."""
+    where = torch.rand(q.shape, generator=gen).argsort(-1)[..., :2]
+    q.scatter_(-1, where[..., :1], low)
+    return q.scatter_(-1, where[..., 1:], high)
+
+
+def q4_1(out: int, inp: int, seed: int = 0) -> torch.Tensor:
+    """float32 [out, inp] dequantized from random Q4_1 blocks: d * q + m, d and m fp16."""
+    gen = torch.Generator().manual_seed(seed)
+    q = _extremes_in_every_block(torch.randint(0, 16, (out, inp // 32, 32), generator=gen), 0, 15, gen)
+    d = (torch.rand(out, inp // 32, generator=gen) * 0.02 + 1e-3).half().float()
+    m = (-torch.rand(out, inp // 32, generator=gen) * 0.15).half().float()
+    return (q.float() * d[..., None] + m[..., None]).reshape(out, inp)
+
+
+def q8_0(out: int, inp: int, seed: int = 0) -> torch.Tensor:
+    """float32 [out, inp] dequantized from random Q8_0 blocks: d * q, d fp16."""
+    gen = torch.Generator().manual_seed(seed)
+    q = _extremes_in_every_block(torch.randint(-127, 128, (out, inp // 32, 32), generator=gen), -127, 127, gen)
+    d = (torch.rand(out, inp // 32, generator=gen) * 0.002 + 1e-4).half().float()
+    return (q.float() * d[..., None]).reshape(out, inp)
+
+
+@pytest.mark.parametrize("make, bits, bytes_a_weight", [(q4_1, 4, 0.75), (q8_0, 8, 1.125)])
+def test_block_weights_come_back_bit_for_bit_in_fewer_bytes(make, bits, bytes_a_weight):
+    w = make(96, 160)
+    blocks = pack_exact(w)
+    assert blocks is not None and blocks.bits == bits and blocks.shape == (96, 160)
+    assert torch.equal(blocks.dequantize(), w)
+    assert blocks.nbytes == 96 * 160 * bytes_a_weight
+
+
+def test_weights_that_are_not_blocks_exactly_stay_float32_only():
+    w = q4_1(64, 96)
+    assert pack_exact(torch.randn(64, 96)) is None  # an ordinary float32 checkpoint
+    one_ulp_off = w.clone()
+    one_ulp_off[37, 50] = torch.nextafter(w[37, 50], torch.tensor(1.0))
+    assert pack_exact(one_ulp_off) is None  # blocks everywhere but one weight: not kept
+    assert pack_exact(w.bfloat16()) is None  # a bf16 engine's projections
+    assert pack_exact(torch.cat([w, w[:, :16]], 1)) is None  # `in` not a multiple of 32
+    assert pack_exact(w[:63]) is None  # odd `out`: the kernel works on pairs of rows
+
+
+@pytest.mark.parametrize("make", [q4_1, q8_0])
+@pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 8, 13, 16, 40])
+def test_a_product_through_the_blocks_is_float32s(make, rows, monkeypatch):
+    gen = torch.Generator().manual_seed(rows)
+    w = make(130, 192, seed=rows)
+    bias = torch.randn(130, generator=gen)
+    x = torch.randn(rows, 192, generator=gen)
+    blocks = pack_exact(w)
+    calls = []
+    real = BlockWeight.matmul
+    monkeypatch.setattr(BlockWeight, "matmul", lambda self, x: calls.append(x.shape[0]) or real(self, x))
+    got = Linear(w, bias, blocks=blocks)(x)
+    exact = (x.double() @ w.double().t() + bias.double()).float()
+    assert got.shape == (rows, 130) and got.dtype == torch.float32
+    if rows:
+        scale = (x.abs() @ w.abs().t()).max()
+        assert (got - exact).abs().max() <= 1e-5 * scale  # fp32 rounding, summed in another order
+    assert calls == ([rows] if rows <= blocks.max_rows else [])  # few rows read the blocks; more, oneDNN
+
+
+def test_a_strided_row_view_reads_the_same_as_its_copy():
+    w = q4_1(64, 96)
+    blocks = pack_exact(w)
+    x = torch.randn(5, 200)[:, 7:103]  # rows 200 floats apart
+    assert torch.equal(blocks.matmul(x), blocks.matmul(x.contiguous()))
+    with pytest.raises(ValueError, match=r"float32 CPU tensor \[T, 96\]"):
+        blocks.matmul(torch.randn(2, 64))
+
+
+def test_the_default_model_is_loaded_with_its_gguf_blocks(default_model_path):
+    """Its projections were Q4_1 and its tied embedding Q8_0 in the GGUF file it was converted
+    from: each is found again from the float32 folder, the same bytes as the file's."""
+    import gguf
+    import numpy as np
+
+    from cluster.models.architecture import Architecture
+    from cluster.models.default_model import gguf_path
+    from cluster.models.loader import load_model
+
+    arch = Architecture.from_folder(default_model_path)
+    model = load_model(default_model_path, arch, CPU_OPS, torch.float32, torch.device("cpu"), 256)
+    layers = model.w.layers
+    assert all(lin.blocks is not None and lin.blocks.bits == 4
+               for layer in layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    head = model.w.lm_head.blocks
+    assert head is not None and head.bits == 8 and head.shape == (arch.vocab_size, arch.hidden_size)
+    assert torch.equal(head.dequantize(), model.w.embed)
+
+    down = next(t for t in gguf.GGUFReader(gguf_path()).tensors if t.name == "blk.0.ffn_down.weight")
+    assert down.tensor_type.name == "Q4_1"
+    raw = np.asarray(down.data).reshape(-1, 20)  # a Q4_1 block: d, m (fp16), 16 bytes of nibbles
+    ours = layers[0].down.blocks
+    assert torch.equal(ours.d.reshape(-1), torch.from_numpy(raw[:, :2].copy().view(np.float16)).float().reshape(-1))
+    assert torch.equal(ours.m.reshape(-1), torch.from_numpy(raw[:, 2:4].copy().view(np.float16)).float().reshape(-1))
+    assert torch.equal(ours.qs.reshape(-1, 16), torch.from_numpy(raw[:, 4:].copy()))
