@@ -13,9 +13,13 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
 
 static inline void deq4_row(const uint8_t *qs, const float *d, const float *m, int64_t K, float *w) {
     const __m128i low = _mm_set1_epi8(0x0f);
@@ -140,14 +144,20 @@ void tandem_block_dequant(int64_t bits, const void *qs, const float *d, const fl
 }
 
 /* f rounded to the nearest fp16 value, ties to even, as a float; *ok = 0 past fp16's range
- * (no NaN: the library is built with -ffast-math) */
-static float to_half(float f, int *ok) {
-    if (f == 0.f) return f;
-    int e;
-    frexpf(fabsf(f), &e);  /* |f| in [2^(e-1), 2^e) */
-    float step = ldexpf(1.f, e < -13 ? -24 : e - 11);  /* 11 significant bits; subnormals 2^-24 apart */
-    float r = nearbyintf(f / step) * step;
-    if (fabsf(r) > 65504.f) *ok = 0;
+ * (no NaN or inf tests: the library is built with -ffast-math) */
+static inline float to_half(float f, int *ok) {
+#ifdef __F16C__
+    float r = _cvtsh_ss(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
+#else
+    float r = f;
+    if (f != 0.f) {
+        int e;
+        frexpf(fabsf(f), &e);  /* |f| in [2^(e-1), 2^e) */
+        float step = ldexpf(1.f, e < -13 ? -24 : e - 11);  /* 11 significant bits; subnormals 2^-24 apart */
+        r = nearbyintf(f / step) * step;
+    }
+#endif
+    if (!(fabsf(f) <= 65504.f) || !(fabsf(r) <= 65504.f)) *ok = 0;
     return r;
 }
 
@@ -156,29 +166,38 @@ static float to_half(float f, int *ok) {
  * that is not (so most weights that are not blocks are refused after one block). */
 int64_t tandem_block_find(int64_t bits, const float *w, int64_t N, int64_t K, void *qs, float *d, float *m) {
     int64_t blocks = K / 32;
+    const float qmin = bits == 4 ? 0.f : -127.f, qmax = bits == 4 ? 15.f : 127.f;
     for (int64_t i = 0; i < N * blocks; i++) {
         const float *x = w + i * 32;
-        float lo = x[0], hi = x[0], big = fabsf(x[0]);
-        for (int j = 1; j < 32; j++) {
+        float lo = x[0], hi = x[0], big = 0.f;
+        uint32_t special = 0;  /* an inf or NaN: its exponent bits all set */
+        for (int j = 0; j < 32; j++) {
+            uint32_t u;
+            memcpy(&u, x + j, 4);
+            special |= (u & 0x7f800000u) == 0x7f800000u;
             lo = x[j] < lo ? x[j] : lo;
             hi = x[j] > hi ? x[j] : hi;
             big = fabsf(x[j]) > big ? fabsf(x[j]) : big;
         }
+        if (special) return 0;
         int ok = 1;
         float scale = to_half(bits == 4 ? (hi - lo) / 15.f : big / 127.f, &ok), min = bits == 4 ? lo : 0.f;
         if (!ok || (bits == 4 && (to_half(min, &ok) != min || !ok))) return 0;
-        int q[32];
-        for (int j = 0; j < 32; j++) {
-            float t = scale == 0.f ? 0.f : nearbyintf((x[j] - min) / scale);
-            if (t < (bits == 4 ? 0.f : -127.f) || t > (bits == 4 ? 15.f : 127.f) || scale * t + min != x[j]) return 0;
-            q[j] = (int)t;
+        float inv = scale == 0.f ? 0.f : 1.f / scale;
+        float q[32];
+        int bad = 0;
+        for (int j = 0; j < 32; j++) {  /* no early exit: vectorized */
+            float t = rintf((x[j] - min) * inv);
+            bad |= (t < qmin) | (t > qmax) | (scale * t + min != x[j]);
+            q[j] = t;
         }
+        if (bad) return 0;
         d[i] = scale;
         if (bits == 4) {
             m[i] = min;
-            for (int j = 0; j < 16; j++) ((uint8_t *)qs)[i * 16 + j] = (uint8_t)(q[j] | q[j + 16] << 4);
+            for (int j = 0; j < 16; j++) ((uint8_t *)qs)[i * 16 + j] = (uint8_t)((int)q[j] | (int)q[j + 16] << 4);
         } else {
-            for (int j = 0; j < 32; j++) ((int8_t *)qs)[i * 32 + j] = (int8_t)q[j];
+            for (int j = 0; j < 32; j++) ((int8_t *)qs)[i * 32 + j] = (int8_t)(int)q[j];
         }
     }
     return 1;

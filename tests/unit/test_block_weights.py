@@ -54,6 +54,10 @@ def test_weights_that_are_not_blocks_exactly_stay_float32_only():
     one_ulp_off = w.clone()
     one_ulp_off[37, 50] = torch.nextafter(w[37, 50], torch.tensor(1.0))
     assert pack_exact(one_ulp_off) is None  # blocks everywhere but one weight: not kept
+    for special in (float("inf"), float("nan")):
+        broken = w.clone()
+        broken[5, 70] = special
+        assert pack_exact(broken) is None
     assert pack_exact(w.bfloat16()) is None  # a bf16 engine's projections
     assert pack_exact(torch.cat([w, w[:, :16]], 1)) is None  # `in` not a multiple of 32
     assert pack_exact(w[:63]) is None  # odd `out`: the kernel works on pairs of rows
