@@ -3,9 +3,8 @@
 A checkpoint converted from a quantized GGUF holds, in float32, weights that were 4-bit or 8-bit
 blocks of 32: the default model's projections were Q4_1 (w = d * q + m, q in [0, 15]) and its
 tied embedding Q8_0 (w = d * q, q in [-127, 127]), with d and m fp16. `pack_exact` finds those
-blocks again from the float32 tensor (in C, one pass) and keeps them only if
-every weight comes back bit for bit;
-anything else (a bf16 or fp32 checkpoint) gives None and stays as it was.
+blocks again from the float32 tensor (in C, one pass) and keeps them only if every weight comes
+back bit for bit; anything else (a bf16 or fp32 checkpoint) gives None and stays as it was.
 
 Why: a decode step is a product of a few rows against every weight, and on a CPU short of memory
 bandwidth it waits on the weights' bytes. Kept as blocks they are 0.75 bytes a weight (4-bit,

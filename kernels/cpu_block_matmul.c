@@ -107,40 +107,32 @@ static void dot2(const float *x, int64_t M, int64_t K, const float *w0, const fl
 
 #endif
 
-/* x [M, K] float32 contiguous, y [M, N] float32 contiguous; K a multiple of 32, N even;
- * 4-bit: qs [N, K / 2], d and m [N, K / 32]; 8-bit: qs [N, K], d [N, K / 32], m unused. */
-static void block_matmul(int bits, const float *x, int64_t M, int64_t K, const void *qs, const float *d,
+/* weight row n of a block matrix (4-bit: qs [N, K / 2], d and m [N, K / 32]; 8-bit: qs [N, K],
+ * d [N, K / 32], m unused) → w [K] float32 */
+static inline void deq_row(int64_t bits, const void *qs, const float *d, const float *m, int64_t n, int64_t K,
+                           float *w) {
+    int64_t blocks = K / 32;
+    if (bits == 4)
+        deq4_row((const uint8_t *)qs + n * (K / 2), d + n * blocks, m + n * blocks, K, w);
+    else
+        deq8_row((const int8_t *)qs + n * K, d + n * blocks, K, w);
+}
+
+/* y = x @ W^T: x [M, K] float32 contiguous, y [M, N] float32 contiguous; K a multiple of 32, N even */
+void tandem_block_matmul(int64_t bits, const float *x, int64_t M, int64_t K, const void *qs, const float *d,
                          const float *m, int64_t N, float *y) {
     float w[2 * K] __attribute__((aligned(32)));
-    int64_t row_bytes = bits == 4 ? K / 2 : K, blocks = K / 32;
     for (int64_t n = 0; n < N; n += 2) {
-        for (int64_t i = 0; i < 2; i++) {
-            const uint8_t *q = (const uint8_t *)qs + (n + i) * row_bytes;
-            if (bits == 4)
-                deq4_row(q, d + (n + i) * blocks, m + (n + i) * blocks, K, w + i * K);
-            else
-                deq8_row((const int8_t *)q, d + (n + i) * blocks, K, w + i * K);
-        }
+        deq_row(bits, qs, d, m, n, K, w);
+        deq_row(bits, qs, d, m, n + 1, K, w + K);
         dot2(x, M, K, w, w + K, y + n, N);
     }
 }
 
-void tandem_block_matmul(int64_t bits, const float *x, int64_t M, int64_t K, const void *qs, const float *d,
-                         const float *m, int64_t N, float *y) {
-    block_matmul((int)bits, x, M, K, qs, d, m, N, y);
-}
-
-/* the float32 weights [N, K] themselves (a check, and the rows a tied embedding looks up) */
+/* the float32 weights [N, K] themselves (a check against the checkpoint's) */
 void tandem_block_dequant(int64_t bits, const void *qs, const float *d, const float *m, int64_t N, int64_t K,
                           float *w) {
-    int64_t row_bytes = bits == 4 ? K / 2 : K, blocks = K / 32;
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *q = (const uint8_t *)qs + n * row_bytes;
-        if (bits == 4)
-            deq4_row(q, d + n * blocks, m + n * blocks, K, w + n * K);
-        else
-            deq8_row((const int8_t *)q, d + n * blocks, K, w + n * K);
-    }
+    for (int64_t n = 0; n < N; n++) deq_row(bits, qs, d, m, n, K, w + n * K);
 }
 
 /* f rounded to the nearest fp16 value, ties to even, as a float; *ok = 0 past fp16's range
