@@ -95,6 +95,12 @@ class SchedulerConfig:
     (Sarathi-Serve's budget from the ITL target); 0: only `max_num_batched_tokens` bounds a step.
     On a disaggregated app's decode pool placing by SLO, it lets a long prompt be prefilled
     there in steps that keep the ITL SLO (set it below `itl_slo_ms`: docs/operating.md).
+    `long_prefill_token_threshold` (vLLM's): with chunked prefill, one request's prompt chunk in a
+    step is at most this many tokens (0: the budget), so a step that carries a long prompt ends
+    sooner and what waits behind it (on a prefill replica under `ttft`, a shorter prompt that
+    passes it between steps) starts sooner, at a step's fixed cost per extra chunk.
+    `ttft_slo_ms` (the prefill pool takes the app's): under `ttft`, a prompt part way through its
+    chunks is not passed when the pass alone would make it miss this time to first token.
     """
 
     max_num_seqs: int = 64
@@ -104,11 +110,24 @@ class SchedulerConfig:
     scheduling_policy: str = "fcfs"
     prefill_schedule: str = "ttft"
     max_step_ms: float = 0.0
+    long_prefill_token_threshold: int = 0
+    ttft_slo_ms: float = 0.0
+
+    @property
+    def prompt_chunk(self) -> int:
+        """The most prompt tokens one request computes in a step."""
+        cap = self.long_prefill_token_threshold
+        budget = self.max_num_batched_tokens
+        return min(budget, cap) if cap and self.enable_chunked_prefill else budget
 
     def __post_init__(self) -> None:
-        step = self.max_step_ms
-        if not isinstance(step, (int, float)) or isinstance(step, bool) or not 0 <= step < float("inf"):
-            raise ValueError(f"max_step_ms must be a number >= 0, got {step!r}")
+        cap = self.long_prefill_token_threshold
+        if not isinstance(cap, int) or isinstance(cap, bool) or cap < 0:
+            raise ValueError(f"long_prefill_token_threshold must be an integer >= 0, got {cap!r}")
+        for name in ("max_step_ms", "ttft_slo_ms"):
+            ms = getattr(self, name)
+            if not isinstance(ms, (int, float)) or isinstance(ms, bool) or not 0 <= ms < float("inf"):
+                raise ValueError(f"{name} must be a number >= 0, got {ms!r}")
         if self.prefill_schedule not in PREFILL_SCHEDULES:
             raise ValueError(f"prefill_schedule must be one of {PREFILL_SCHEDULES}, got {self.prefill_schedule!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -346,11 +365,14 @@ class AppConfig:
     @property
     def prefill_engine(self) -> EngineConfig:
         """The prefill pool's engine: no speculation, unless the draft's KV is computed there
-        (draft_model) to cross the connector beside the target's."""
-        spec = self.engine.speculative
-        if spec is None or spec.method == "draft_model":
-            return self.engine
-        return replace(self.engine, speculative=None)
+        (draft_model) to cross the connector beside the target's; its scheduler keeps the app's
+        `ttft_slo_ms` (SchedulerConfig)."""
+        engine, spec = self.engine, self.engine.speculative
+        if spec is not None and spec.method != "draft_model":
+            engine = replace(engine, speculative=None)
+        if self.ttft_slo_ms and not engine.scheduler.ttft_slo_ms:
+            engine = replace(engine, scheduler=replace(engine.scheduler, ttft_slo_ms=self.ttft_slo_ms))
+        return engine
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

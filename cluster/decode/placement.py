@@ -52,18 +52,30 @@ class PrefillPoolView:
     replicas: int
     step_budget: int  # a prefill step's max_num_batched_tokens
     running: tuple[int, ...] = ()  # the rest of each prompt part way through its chunks
+    chunk: int = 0  # one prompt's tokens in a step at most (long_prefill_token_threshold); 0: step_budget
+    passes_running: bool = False  # a shorter prompt passes one part way through its chunks
+    #                               (prefill_schedule ttft), else that one runs to its end first
+
+    @property
+    def prompt_chunk(self) -> int:
+        return min(self.step_budget, self.chunk) if self.chunk else self.step_budget
 
     def ahead_of(self, tokens: int) -> float:
         """Prompt tokens a new prompt of `tokens` waits for on one replica: the shorter ones
-        queued (they go first: engine/scheduler.py, prefill_schedule ttft) and the rest of every
-        prompt already running (it runs to its end before another is admitted)."""
+        queued (they go first: engine/scheduler.py, prefill_schedule ttft); of those part way
+        through their chunks, when a prompt passes them, the shorter ones and the chunk in
+        progress of the longest, else the rest of all (they run to their end first)."""
         shorter = sum(w for w in self.queued if w <= tokens)
-        return (shorter + sum(self.running)) / max(1, self.replicas)
+        if not self.passes_running:
+            return (shorter + sum(self.running)) / max(1, self.replicas)
+        shorter += sum(w for w in self.running if w <= tokens)
+        in_step = max((min(w, self.prompt_chunk) for w in self.running if w > tokens), default=0)
+        return (shorter + in_step) / max(1, self.replicas)
 
     def plus_sent(self, sent: Sequence[int]) -> PrefillPoolView:
         """This view with prompts sent since it was posted (tokens each, in the order sent): on a
-        replica with nothing running or queued a prompt started at once, and runs to its end
-        before a shorter one sent after it; the rest wait, the shorter first."""
+        replica with nothing running or queued a prompt started at once; the rest wait, the
+        shorter first."""
         idle = 0 if self.queued else max(0, self.replicas - len(self.running))
         return replace(self, running=self.running + tuple(sent[:idle]), queued=self.queued + tuple(sent[idle:]))
 
@@ -79,6 +91,7 @@ class PlacementInputs:
     handoff_s: float  # what a hand-off costs beyond the pool's queue and compute, recently: the
     #                   calls to the pool and back, the KV's send and receive
     max_step_s: float = 0.0  # the engine's cap on a step while streams decode (0: none)
+    chunk: int = 0  # one prompt's tokens in a step at most here (long_prefill_token_threshold); 0: step_budget
 
 
 @dataclass(frozen=True)
@@ -105,6 +118,8 @@ def local_steps(inp: PlacementInputs) -> tuple[int, int]:
     room = max(1, inp.step_budget - inp.running)
     if inp.max_step_s and inp.running and d.per_token_s > 0:  # as the scheduler cuts them
         room = prompt_room(inp.max_step_s, d.fixed_s, d.per_token_s, inp.running, inp.step_budget)
+    if inp.chunk:
+        room = min(room, inp.chunk)
     return room, steps_for(inp.waiting_tokens + inp.uncached_tokens, room)
 
 
@@ -127,7 +142,7 @@ def estimate_remote(inp: PlacementInputs) -> float:
     p, d = inp.prefill, inp.decode
     assert p is not None and d is not None
     work = p.ahead_of(inp.uncached_tokens) + inp.uncached_tokens
-    steps = steps_for(work, p.step_budget)
+    steps = steps_for(work, p.prompt_chunk)
     return steps * p.costs.fixed_s + p.costs.per_token_s * work + inp.handoff_s + d.step_s(inp.running)
 
 

@@ -67,6 +67,7 @@ class DecodeServer:
                 # token costs before the first request
                 engine.calibrate()
         self._max_step_s = engine.config.scheduler.max_step_ms / 1e3  # its steps' cap while streams decode
+        self._prompt_chunk = engine.config.scheduler.prompt_chunk  # one prompt's tokens in a step at most
         self.engine = AsyncEngine(engine)
         self.channels = Channels()  # the routers' multiplexed token streams
         self.name = ""  # this replica's id, in traces
@@ -201,8 +202,10 @@ class DecodeServer:
         per_token = max(r["step_s_per_token"] for r in live)
         queued = tuple(w for r in live for w in r.get("queued_work") or ())
         running = tuple(w for r in live for w in r.get("running_work") or ())
+        sched = self.config.prefill_engine.scheduler
         self._prefill_pool = PrefillPoolView(StepCosts(fixed, per_token), queued, len(live),
-                                             min(r.get("max_num_batched_tokens") or 512 for r in live), running)
+                                             min(r.get("max_num_batched_tokens") or 512 for r in live), running,
+                                             sched.long_prefill_token_threshold, sched.prefill_schedule == "ttft")
         # a report was collected a while before it reached here: the prompts sent since (or just
         # before, still on their way) are not in it
         collected = min((r.get("posted_at") or 0.0) for r in live) - REPORT_LAG_S
@@ -217,7 +220,7 @@ class DecodeServer:
         waiting = load.waiting_tokens + sum(self._placing_here.values())
         return PlacementInputs(uncached, StepCosts(*costs) if costs else None, load.num_running, waiting,
                                self.config.engine.scheduler.max_num_batched_tokens, pool, self._handoff_s,
-                               self._max_step_s)
+                               self._max_step_s, self._prompt_chunk)
 
     async def _remote_prefill(self, rid: str, prompt: list[int], params: SamplingParams,
                               prefill: PrefillClient, trace: dict[str, Any]) -> None:

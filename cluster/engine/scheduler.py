@@ -28,6 +28,12 @@ is what every prompt in it waits on for its first token), within a priority:
 - Order: the earliest `arrival + own compute time` first (the step cost's per-token fit times
   the prompt's tokens). A short prompt passes a long one that came before it by less than the
   long one's own compute time; a long one waits at most about that long behind later arrivals.
+  The order holds between a prompt's chunks too: a prompt part way through them sits out a
+  step when a waiting one comes first (by its arrival + the compute time it has left), so a
+  short prompt that arrives during a long one waits for the chunk in progress, not for the
+  rest of it (`long_prefill_token_threshold` bounds the chunk). With `ttft_slo_ms` (the app's, on
+  the prefill pool), not when the pass alone would make the one passed miss it: a prompt that
+  makes the SLO either way, or misses it either way, is passed.
 - Batch size: a prompt joins the step while what it adds to the step, paid by each of the k
   prompts already finishing in it (k x per_token x its tokens), is less than the fixed cost of
   a step of its own. On a CPU, where a token costs much against the fixed part, that is a few
@@ -45,6 +51,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from cluster.config import SchedulerConfig
 from cluster.engine.block_manager import BlockManager
@@ -116,6 +123,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.by_priority = config.scheduling_policy == "priority"
         self.for_ttft = config.prefill_schedule == "ttft"
+        self.clock = time.monotonic  # what arrival times are measured on
 
     # -- admission -----------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -158,13 +166,31 @@ class Scheduler:
     # -- one step ------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         plan = StepPlan()
-        budget = self.config.max_num_batched_tokens
         if self.by_priority:  # the request ranked last is the tail, where victims come from
             self.running.sort(key=_rank)
-        prompt_room = self._prompt_room()
+        passed = self._passed_over()
+        budget, prompt_room = self._continue_running(plan, self.config.max_num_batched_tokens, self._prompt_room(),
+                                                     lambda req: req.request_id not in passed)
+        if not plan.preempted:
+            self._admit_waiting(plan, min(budget, prompt_room), before=min(passed.values(), default=None))
+        if passed and plan.is_empty:  # none of the prompts that pass them could start: they go on
+            self._continue_running(plan, budget, prompt_room, lambda req: req.request_id in passed)
+        now = time.monotonic()
+        for chunk in plan.chunks:
+            if chunk.request.queue_s is None:
+                chunk.request.queue_s = now - chunk.request.ready_at
+        return plan
+
+    def _continue_running(self, plan: StepPlan, budget: int, prompt_room: int,
+                          this_step: Callable[[Request], bool]) -> tuple[int, int]:
+        """Plan the running requests `this_step` takes, in order: a decode token each, or a
+        prompt's next chunk; returns what is left of (budget, prompt_room)."""
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if not this_step(req):
+                i += 1
+                continue
             rest = req.num_tokens - req.num_computed_tokens
             n = min(rest, budget)
             if n > 1:  # a prompt's chunk (or a preempted request's recompute)
@@ -178,20 +204,39 @@ class Scheduler:
             plan.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
             budget -= n
             i += 1
-        if not plan.preempted:
-            self._admit_waiting(plan, min(budget, prompt_room))
-        now = time.monotonic()
-        for chunk in plan.chunks:
-            if chunk.request.queue_s is None:
-                chunk.request.queue_s = now - chunk.request.ready_at
-        return plan
+        return budget, prompt_room
 
     def _chunk(self, rest: int, budget: int) -> int:
-        """Tokens a step with `budget` left computes of a prompt with `rest` to go: all of them
-        when no more than a sliver (budget // TAIL_FRACTION) would be left for the step after,
-        which would cost a step's fixed part for a few tokens (a 1,038-token prompt in steps of
-        512 + 526, not 512 + 512 + 14), else `budget`."""
+        """Tokens a step with `budget` left computes of a prompt with `rest` to go, at most
+        `long_prefill_token_threshold` of them: all when no more than a sliver (budget //
+        TAIL_FRACTION) would be left for the step after, which would cost a step's fixed part for
+        a few tokens (a 1,038-token prompt in steps of 512 + 526, not 512 + 512 + 14), else `budget`."""
+        budget = min(budget, self.config.prompt_chunk)
         return rest if rest - budget <= budget // TAIL_FRACTION else budget
+
+    def _passed_over(self) -> dict[str, tuple[int, float]]:
+        """Under ttft, the prompts part way through their chunks that a waiting prompt goes
+        before this step, with their place in the order: those later by arrival + own compute
+        time left (the order admission takes, so a short prompt passes a long one between its
+        chunks, and a long one that has waited its own compute time is passed no more), and with
+        a TTFT SLO, not one the pass alone would make miss it."""
+        cost = self._prompt_cost()
+        if cost is None or not self.waiting or not any(r.prefill_only for r in self.running):
+            return {}
+        key = self._ttft_key(cost[1])
+        ahead = min((r for r in self.waiting if r.prefill_only), key=key, default=None)
+        if ahead is None:
+            return {}
+        first, slo, now = key(ahead), self.config.ttft_slo_ms / 1e3, self.clock()
+        passing = cost[0] + cost[1] * (ahead.num_tokens - ahead.num_computed_tokens)
+
+        def may_pass(req: Request) -> bool:  # unless the pass alone makes it miss the TTFT SLO
+            if not slo:
+                return True
+            rest = req.num_tokens - req.num_computed_tokens
+            done = now - req.arrival_time + cost[1] * rest + cost[0] * steps_for(rest, self.config.prompt_chunk)
+            return done > slo or done + passing <= slo
+        return {r.request_id: key(r) for r in self.running if r.prefill_only and key(r) > first and may_pass(r)}
 
     def _prompt_room(self) -> int:
         """Prompt tokens this step may carry: under `max_step_ms`, while requests decode, what keeps
@@ -216,15 +261,20 @@ class Scheduler:
                 return False
         return True
 
-    def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
+    def _admit_waiting(self, plan: StepPlan, budget: int, before: tuple[int, float] | None = None) -> None:
+        """Admit waiting requests in their order while the step has room; under ttft none that
+        comes after `before` (a running prompt passed over this step: it goes first next step)."""
         if not self.waiting:  # most decode steps: nothing to admit, nothing to work out
             return
         computing = self._being_computed()
         deferred = 0
         cost = self._prompt_cost()
         finishing = sum(1 for c in plan.chunks if c.request.prefill_only and c.samples)
+        key = self._ttft_key(cost[1]) if cost is not None and before is not None else None
         for req in self._admission_order(cost):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs or deferred > MAX_DEFERRED:
+                break
+            if key is not None and key(req) > before:
                 break
             cached = None if req.needs_prompt_logprobs else self.blocks.find_cached_prefix(req)  # None: no lookup
             if cached is not None and self._next_block_computing(req, len(cached), computing):
@@ -234,7 +284,7 @@ class Scheduler:
             n = req.num_tokens - num_cached
             if cost is not None and req.prefill_only and finishing and finishing * cost[1] * n > cost[0]:
                 break  # cheaper for the prompts in this step to go now, and this one next step
-            if n > budget:
+            if n > min(budget, self.config.prompt_chunk):
                 if not self.config.enable_chunked_prefill and plan.chunks:
                     break
                 n = self._chunk(n, budget) if self.config.enable_chunked_prefill else n
@@ -266,12 +316,15 @@ class Scheduler:
         or by rank under priority; under ttft, prefill-only prompts by arrival + own compute time."""
         if cost is None or not any(r.prefill_only for r in self.waiting):
             return sorted(self.waiting, key=_rank) if self.by_priority else list(self.waiting)
-        per_token = cost[1]
+        return sorted(self.waiting, key=self._ttft_key(cost[1]))
 
+    def _ttft_key(self, per_token: float) -> Callable[[Request], tuple[int, float]]:
+        """Under ttft: (priority under the priority policy, arrival + the compute time left of a
+        prefill-only prompt), earliest first."""
         def key(req: Request) -> tuple[int, float]:
             own = per_token * (req.num_tokens - req.num_computed_tokens) if req.prefill_only else 0.0
             return (req.params.priority if self.by_priority else 0), req.arrival_time + own
-        return sorted(self.waiting, key=key)
+        return key
 
     def _being_computed(self) -> set[bytes]:
         """Hashes of the prompt blocks running requests have yet to compute."""

@@ -3,7 +3,8 @@
 batches several prompts into one step (chunked, within `max_num_batched_tokens`): under
 `prefill_schedule: ttft` (default) the earliest arrival + own compute time first, and only as
 many per step as shortens the average time to first token, from the step cost this replica
-measures (engine/scheduler.py); under `scheduling_policy: priority`, by priority first. When R's prompt is computed,
+measures, and a short prompt passes a long one between its chunks (engine/scheduler.py); under
+`scheduling_policy: priority`, by priority first. When R's prompt is computed,
 the exporter (prefill/exporter.py) packs its KV on the engine thread and sends it off it, then
 holds R's blocks under a lease; acks free them, a timer reaps expired leases.
 
@@ -129,8 +130,8 @@ class PrefillServer:
 
     def work_left(self) -> tuple[dict[str, int], dict[str, int]]:
         """(queued, started): each prompt's tokens still to compute here, from arrival until its
-        KV is sent, apart for those part way through their chunks (the engine runs them to their
-        end before it admits another: a prompt that arrives now waits for all of their rest):
+        KV is sent, apart for those part way through their chunks (under fcfs they run to their
+        end first; under ttft a shorter prompt passes them between chunks: decode/placement.py):
         what the engine has left of it, or all it did not find cached before it got there."""
         waiting, started = self.engine.prompt_work()
         queued, running = {}, {}

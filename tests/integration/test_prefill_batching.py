@@ -1,5 +1,6 @@
 """The prefill pool batches prompts: several prefill-only requests computed in one engine step
-give the same first tokens and the same prompt KV as each computed alone, and a prefill
+give the same first tokens and the same prompt KV as each computed alone (so does a short
+prompt that passes a long one between its chunks), and a prefill
 replica that several prompts reach at once computes them in one step, with the replies a
 colocated server gives."""
 
@@ -48,6 +49,42 @@ def test_prompts_prefilled_in_one_step_match_each_prefilled_alone(tiny_model_pat
         assert together[f"p{i}"][1].shape == kv.shape
         torch.testing.assert_close(together[f"p{i}"][1], kv, rtol=1e-5, atol=1e-5)  # bit-exact here; a row count may change a kernel's rounding
     assert batched.stats()["blocks_in_use"] == 0 and alone.stats()["blocks_in_use"] == 0
+
+
+def test_a_short_prompt_that_passes_a_long_one_between_its_chunks_changes_neither(tiny_model_paths):
+    """prefill_schedule ttft with chunks of 64: a short prompt that arrives after a long one's
+    first chunk is computed in the next step, and both give the first token and the prompt KV
+    each gives alone."""
+    from cluster.engine.step_cost import StepCost
+
+    folder = str(tiny_model_paths["llama"])
+    gen = torch.Generator().manual_seed(5)
+    long, short = (torch.randint(100, 40000, (k,), generator=gen).tolist() for k in (300, 12))
+    engine = LLM(folder, long_prefill_token_threshold=64).engine
+    cost = StepCost()  # pinned, as a CPU measures it: a token costs much against a step's fixed part
+    cost.fixed_s, cost.per_token_s, cost.resolved = 0.036, 0.005, True
+    engine.scheduler.step_cost = cost
+    engine.add_request("long", long, GREEDY, prefill_only=True)
+    assert engine.step() == [] and engine.scheduler.requests["long"].num_computed_tokens == 64
+    engine.add_request("short", short, GREEDY, prefill_only=True)
+    order = []
+    got = {}
+    while len(got) < 2:
+        outs = engine.step()
+        order += [o.request_id for o in outs]
+        for out in outs:
+            result = engine.take_prefilled(out.request_id)
+            got[out.request_id] = (result.first_token, engine.export_kv(out.request_id))
+            engine.release(out.request_id)
+    assert order == ["short", "long"]
+
+    alone = LLM(folder).engine
+    for rid, prompt in (("long", long), ("short", short)):
+        alone.add_request(rid, prompt, GREEDY, prefill_only=True)
+        (first, kv), = prefilled(alone, [rid]).values()
+        assert got[rid][0] == first
+        torch.testing.assert_close(got[rid][1], kv, rtol=1e-5, atol=1e-5)
+    assert engine.stats()["blocks_in_use"] == 0
 
 
 def test_a_prefill_replica_computes_prompts_that_arrive_together_in_one_step(stack):
@@ -108,7 +145,7 @@ def test_a_prefill_replica_reports_what_is_left_of_each_prompt(stack):
 
     llm.step = step
     try:
-        assert run(go()) == ({}, {"long": 600 - 512})  # part way: the engine runs it to its end first
+        assert run(go()) == ({}, {"long": 600 - 512})  # part way through its chunks
     finally:
         llm.step = real_step
         resume.set()

@@ -130,3 +130,30 @@ def test_prompts_sent_since_the_pool_posted_run_on_an_idle_replica_and_queue_on_
     assert sent.ahead_of(30) == (20 + 300 + 600) / 2  # a short one waits for both running prompts
     busy = PrefillPoolView(PREFILL, (50,), 2, step_budget=512).plus_sent([600])  # a queue: nobody idle
     assert busy.running == () and busy.queued == (50, 600)
+
+
+def test_when_a_short_prompt_passes_running_ones_it_waits_for_one_chunk_of_the_longer():
+    """prefill_schedule ttft: a prompt part way through its chunks is passed between steps, so a
+    short prompt waits for the shorter prompts and for the chunk in progress, not the whole rest."""
+    view = PrefillPoolView(PREFILL, (50, 400), 1, step_budget=512, running=(900, 20), chunk=128,
+                           passes_running=True)
+    assert view.ahead_of(60) == 50 + 20 + 128
+    assert view.ahead_of(1000) == 50 + 400 + 900 + 20  # a longer one still waits for all of them
+    runs_to_end = PrefillPoolView(PREFILL, (50, 400), 1, step_budget=512, running=(900, 20), chunk=128)
+    assert runs_to_end.ahead_of(60) == 50 + 900 + 20
+
+
+def test_the_chunk_cap_counts_steps_on_both_sides():
+    pool = PrefillPoolView(PREFILL, (), 1, step_budget=512, running=(900,), chunk=128, passes_running=True)
+    inp = PlacementInputs(100, DECODE, 8, 0, 512, pool, handoff_s=0.010, chunk=64)
+    # remote: the chunk in progress (128) and ours (100) in steps of 128: 2 steps
+    assert estimate_remote(inp) == pytest.approx(2 * 0.040 + 0.228 + 0.010 + 0.038)
+    # local: 100 tokens in steps of at most 64 beside 8 streams: 2 steps, each carrying the streams
+    ttft, itl = estimate_local(inp)
+    assert ttft == pytest.approx(2 * 0.030 + 0.001 * (100 + 2 * 8)) and itl == pytest.approx(0.030 + 0.001 * 72)
+    # a prompt too long for the streams' step: behind the long one's chunk, the pool keeps the
+    # TTFT SLO; had the long one run to its end first, it would not
+    p = place(PlacementInputs(400, DECODE, 8, 0, 512, pool, 0.010), TTFT_SLO, ITL_SLO)
+    assert p.where == "remote" and p.reason == "only this one keeps the SLOs"
+    to_end = PrefillPoolView(PREFILL, (), 1, step_budget=512, running=(900,), chunk=128)
+    assert place(PlacementInputs(400, DECODE, 8, 0, 512, to_end, 0.010), TTFT_SLO, ITL_SLO).remote_ttft_s > TTFT_SLO

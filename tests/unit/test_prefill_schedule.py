@@ -139,3 +139,112 @@ def test_a_fit_that_cannot_resolve_a_tokens_cost_batches_as_the_budget_allows():
     prompts = [prompt(sched, n, arrival=0.01 * i) for i, n in enumerate((5, 37, 20))]
     plan, finished = run_step(sched)
     assert [c.request for c in plan.chunks] == prompts and set(finished) == set(prompts)
+
+
+def test_a_short_prompt_that_arrives_during_a_long_ones_chunks_passes_it_between_steps():
+    """The long prompt's first chunk is running when the short one comes: the short one waits
+    for that chunk only, the long one goes on in the step after, and its blocks stay its own."""
+    sched = scheduler(CPU, long_prefill_token_threshold=128)
+    long = prompt(sched, 1024, arrival=0.0)
+    plan, _ = run_step(sched)
+    assert [(c.request, c.num_tokens) for c in plan.chunks] == [(long, 128)]
+    short = prompt(sched, 20, arrival=0.2)
+    plan, finished = run_step(sched)
+    assert [c.request for c in plan.chunks] == [short] and finished == [short]
+    assert long.num_computed_tokens == 128 and len(long.block_ids) == 128 // 16
+    plan, _ = run_step(sched)
+    assert [(c.request, c.start, c.num_tokens) for c in plan.chunks] == [(long, 128, 128)]
+
+
+def test_fcfs_runs_a_prompt_part_way_through_its_chunks_to_its_end():
+    sched = scheduler(CPU, schedule="fcfs", long_prefill_token_threshold=128)
+    long = prompt(sched, 1024, arrival=0.0)
+    run_step(sched)
+    prompt(sched, 20, arrival=0.2)
+    plan, _ = run_step(sched)
+    assert plan.chunks[0].request is long and plan.chunks[0].num_tokens == 128
+
+
+def test_a_long_prompt_part_way_through_is_passed_by_later_arrivals_for_at_most_its_own_time_left():
+    """A stream of short prompts, one every 50 ms, each its own step: the long one, part way
+    through, is passed only by those that come before its arrival + the compute time it has left."""
+    sched = scheduler(CPU, long_prefill_token_threshold=128)
+    long = prompt(sched, 1024, arrival=0.0)
+    run_step(sched)
+    left = CPU[1] * (1024 - 128)
+    shorts = [prompt(sched, 10, arrival=0.05 * i) for i in range(1, 40)]
+    order = []  # the short prompts done in steps before the long one's next chunk
+    while True:
+        plan, _ = run_step(sched)
+        if any(c.request is long for c in plan.chunks):
+            break
+        order += [c.request for c in plan.chunks]
+    assert order, "the short prompts that came before its time left went first"
+    assert all(r.arrival_time + CPU[1] * 10 <= left for r in order)
+    assert all(r in order for r in shorts if r.arrival_time + CPU[1] * 10 < left)
+    assert not sched.waiting or min(r.arrival_time for r in sched.waiting) + CPU[1] * 10 >= left
+
+
+def test_a_prompt_passed_over_goes_on_when_the_one_that_passes_it_cannot_start():
+    """No blocks for the short prompt: the long one part way through is not left idle."""
+    sched = make_scheduler(num_blocks=10, block_size=16, max_num_batched_tokens=512,
+                           long_prefill_token_threshold=64)
+    sched.step_cost = pinned(*CPU)
+    long = prompt(sched, 150, arrival=0.0)
+    run_step(sched)
+    run_step(sched)  # 128 of its tokens, 8 of the 10 blocks
+    prompt(sched, 60, arrival=0.01)  # needs 4 blocks: it must wait for the long one to end
+    plan, _ = run_step(sched)
+    assert [c.request for c in plan.chunks] == [long]
+
+
+@pytest.mark.parametrize("tokens,chunks", [(300, [128, 128, 44]), (260, [128, 132]), (100, [100])])
+def test_the_chunk_cap_spreads_a_long_prompt_over_steps(tokens, chunks):
+    """At most 128 tokens of one prompt a step, a last sliver (<= 128 // 16) folded into the step
+    before, a prompt under the cap in one step."""
+    sched = scheduler(None, long_prefill_token_threshold=128)
+    req = prompt(sched, tokens, arrival=0.0)
+    seen = []
+    while sched.has_work():
+        plan, _ = run_step(sched)
+        seen += [c.num_tokens for c in plan.chunks if c.request is req]
+    assert seen == chunks
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "128"])
+def test_long_prefill_token_threshold_must_be_an_integer_at_least_zero(bad):
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be an integer >= 0"):
+        scheduler(None, long_prefill_token_threshold=bad)
+
+
+def test_without_chunked_prefill_the_cap_does_not_apply():
+    sched = scheduler(None, long_prefill_token_threshold=128, enable_chunked_prefill=False)
+    req = prompt(sched, 300, arrival=0.0)
+    plan, _ = run_step(sched)
+    assert [(c.request, c.num_tokens) for c in plan.chunks] == [(req, 300)]
+
+
+@pytest.mark.parametrize("now,passed", [
+    (0.3, True),    # 896 tokens left in 7 steps: 1.33 s; done at 1.63 s, 1.71 s with the pass (84 ms)
+    (0.63, False),  # done at 1.96 s without the pass, 2.04 s with it: not passed
+    (0.9, True),    # done at 2.23 s either way: late anyway, passed
+    (1.5, False),   # it has waited its own time left (1.08 s): the order puts it first
+])
+def test_with_a_ttft_slo_a_prompt_is_not_passed_when_the_pass_alone_makes_it_late(now, passed):
+    fast = (0.036, 0.0012)
+    sched = scheduler(fast, long_prefill_token_threshold=128, ttft_slo_ms=2000)
+    long = prompt(sched, 1024, arrival=0.0)
+    run_step(sched)
+    sched.clock = lambda: now
+    short = prompt(sched, 40, arrival=now)
+    plan, _ = run_step(sched)
+    assert [c.request for c in plan.chunks][0] is (short if passed else long)
+
+
+def test_the_prefill_pool_takes_the_apps_ttft_slo():
+    from cluster.config import AppConfig, EngineConfig
+
+    app = AppConfig(ttft_slo_ms=2000, itl_slo_ms=150)
+    assert app.prefill_engine.scheduler.ttft_slo_ms == 2000
+    assert app.engine.scheduler.ttft_slo_ms == 0  # the decode pool places by it instead
+    assert AppConfig().prefill_engine == EngineConfig() == AppConfig().engine
