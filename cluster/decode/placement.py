@@ -16,8 +16,7 @@ step that would carry R's prompt here is judged at what 9 recent steps in 10 cos
 sees. The choice: of the placements that keep both SLOs, the one with the earlier first token, except that
 a prompt the streams' steps would carry in several cut steps goes remote when remote keeps the
 SLOs too (the prefill pool is there to spare the streams that stall; here it is the rescue for a
-prompt the pool's queue would make late); with no stream decoding here, a prompt of one step is
-judged by its TTFT alone (its step stalls nobody, and it skips the hand-off); when neither keeps both, the one that breaks them
+prompt the pool's queue would make late); when neither keeps both, the one that breaks them
 least (the larger of TTFT / TTFT SLO and ITL / ITL SLO). Unknown costs (a pool not measured
 yet): remote, as without SLOs.
 """
@@ -155,11 +154,7 @@ def place(inp: PlacementInputs, ttft_slo_s: float | None, itl_slo_s: float | Non
     itl_now = inp.decode.step_s(inp.running)
     ttft_slo, itl_slo = ttft_slo_s or math.inf, itl_slo_s or math.inf
     seen = dict(local_ttft_s=local_ttft, local_itl_s=local_itl, remote_ttft_s=remote_ttft, itl_s=itl_now)
-    # no stream decodes here and R's prompt is one step: that step stalls nobody (a request that
-    # lands meanwhile waits for it once), so only its TTFT counts
-    idle = not inp.running and local_steps(inp)[1] == 1
-    local_itl_share = 0.0 if idle else local_itl / itl_slo
-    local_ok = local_ttft <= ttft_slo and local_itl_share <= 1.0
+    local_ok = local_ttft <= ttft_slo and local_itl <= itl_slo
     remote_ok = remote_ttft <= ttft_slo
     if local_ok and remote_ok:
         if inp.running and inp.uncached_tokens > local_steps(inp)[0]:
@@ -168,7 +163,7 @@ def place(inp: PlacementInputs, ttft_slo_s: float | None, itl_slo_s: float | Non
         return Placement(where, "both keep the SLOs: the earlier first token", **seen)
     if local_ok or remote_ok:
         return Placement("local" if local_ok else "remote", "only this one keeps the SLOs", **seen)
-    local_breach = max(local_ttft / ttft_slo, local_itl_share)
+    local_breach = max(local_ttft / ttft_slo, local_itl / itl_slo)
     remote_breach = max(remote_ttft / ttft_slo, itl_now / itl_slo)
     return Placement("local" if local_breach < remote_breach else "remote", "neither keeps the SLOs: the smaller breach",
                      **seen)

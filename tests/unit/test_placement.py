@@ -157,15 +157,3 @@ def test_the_chunk_cap_counts_steps_on_both_sides():
     assert p.where == "remote" and p.reason == "only this one keeps the SLOs"
     to_end = PrefillPoolView(PREFILL, (), 1, step_budget=512, running=(900,), chunk=128)
     assert place(PlacementInputs(400, DECODE, 8, 0, 512, to_end, 0.010), TTFT_SLO, ITL_SLO).remote_ttft_s > TTFT_SLO
-
-
-def test_an_idle_decode_replica_prefills_a_one_step_prompt_here_whatever_its_step_costs():
-    """No stream decodes here: a prompt of one step stalls nobody, so it is judged by its TTFT
-    alone and skips the hand-off; as soon as one stream decodes, its step breaks the ITL SLO."""
-    same = StepCosts(fixed_s=0.030, per_token_s=0.004)  # both pools: 100 tokens, a 430 ms step
-    p = place(inputs(100, running=0, decode=same, prefill=same), TTFT_SLO, ITL_SLO)
-    assert p.where == "local" and p.local_itl_s > ITL_SLO and p.local_ttft_s < p.remote_ttft_s
-    assert place(inputs(100, running=1, decode=same, prefill=same), TTFT_SLO, ITL_SLO).where == "remote"
-    # two steps (the budget of 512 beside no stream): the later requests' wait counts again
-    two = place(inputs(600, running=0, decode=same, prefill=same), 5.0, ITL_SLO)
-    assert two.where == "remote" and two.local_ttft_s < two.remote_ttft_s
