@@ -52,13 +52,13 @@ class PrefillPoolView:
     replicas: int
     step_budget: int  # a prefill step's max_num_batched_tokens
     running: tuple[int, ...] = ()  # the rest of each prompt part way through its chunks
-    chunk: int = 0  # one prompt's tokens in a step at most (long_prefill_token_threshold); 0: step_budget
+    chunk: int = 0  # one prompt's tokens in a step at most (SchedulerConfig.prompt_chunk); 0: step_budget
     passes_running: bool = False  # a shorter prompt passes one part way through its chunks
     #                               (prefill_schedule ttft), else that one runs to its end first
 
     @property
     def prompt_chunk(self) -> int:
-        return min(self.step_budget, self.chunk) if self.chunk else self.step_budget
+        return self.chunk or self.step_budget
 
     def ahead_of(self, tokens: int) -> float:
         """Prompt tokens a new prompt of `tokens` waits for on one replica: the shorter ones

@@ -68,6 +68,8 @@ class DecodeServer:
                 engine.calibrate()
         self._max_step_s = engine.config.scheduler.max_step_ms / 1e3  # its steps' cap while streams decode
         self._prompt_chunk = engine.config.scheduler.prompt_chunk  # one prompt's tokens in a step at most
+        pool = config.prefill_engine.scheduler  # how the prefill pool chunks and orders prompts
+        self._pool_chunk, self._pool_passes = pool.prompt_chunk, pool.prefill_schedule == "ttft"
         self.engine = AsyncEngine(engine)
         self.channels = Channels()  # the routers' multiplexed token streams
         self.name = ""  # this replica's id, in traces
@@ -202,10 +204,9 @@ class DecodeServer:
         per_token = max(r["step_s_per_token"] for r in live)
         queued = tuple(w for r in live for w in r.get("queued_work") or ())
         running = tuple(w for r in live for w in r.get("running_work") or ())
-        sched = self.config.prefill_engine.scheduler
         self._prefill_pool = PrefillPoolView(StepCosts(fixed, per_token), queued, len(live),
                                              min(r.get("max_num_batched_tokens") or 512 for r in live), running,
-                                             sched.long_prefill_token_threshold, sched.prefill_schedule == "ttft")
+                                             self._pool_chunk, self._pool_passes)
         # a report was collected a while before it reached here: the prompts sent since (or just
         # before, still on their way) are not in it
         collected = min((r.get("posted_at") or 0.0) for r in live) - REPORT_LAG_S
