@@ -11,13 +11,13 @@ bandwidth it waits on the weights' bytes. Kept as blocks they are 0.75 bytes a w
 with d and m as float32) or 1.125 (8-bit) instead of 4, and `BlockWeight.matmul` dequantizes them
 in registers (kernels/cpu_block_matmul.c). The product is float32 arithmetic on the same float32
 weights, so the engine's numbers are float32's, in another summation order. Past `MAX_ROWS` rows
-the product is compute-bound and oneDNN's packed fp32 GEMM is the faster: cluster/models/linear.py
-keeps both and picks by rows.
+(prefill chunks) oneDNN's packed fp32 GEMM is at least as fast: cluster/models/linear.py keeps
+both and picks by rows.
 
-Measured on the 2-core AVX2 EPYC, one thread, the default model's weights (docs/performance.md
-has the table): its 210 projections at 1 row 17.7 ms against 66.8 in packed fp32, 8 rows 76-84
-against 108-111, 16 rows 111-141 against 138-141, 24 rows 166-181 against 149-162; its 8-bit
-head at 1 row 4.2 against 15.4 ms, 8 rows 20-22 against 24-27, 16 rows 32-38 against 28-32.
+Measured on the 2-core AVX2 EPYC, one thread, blocks shaped like the default model's
+(docs/performance.md has the table): its 210 projections at 1 row 17 ms against 67 in packed
+fp32, 16 rows 58 against 102-120, 32 rows 127-132 against 136-180, 64 rows 193-208 against
+228-236; its 8-bit head at 16 rows 16 against 23-27 ms, 64 rows 49-54 against 56-57.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ import torch
 from kernels.cpu_paged_attention import available, built
 
 BLOCK = 32
-# rows up to which a product goes through the blocks, by bits (above: oneDNN's fp32 GEMM is the faster)
-MAX_ROWS = {4: 16, 8: 8}
-_MAX_K = 8192  # the kernel dequantizes two weight rows into a stack buffer of 2 * K floats
+# rows up to which a product goes through the blocks, by bits (above: oneDNN's fp32 GEMM)
+MAX_ROWS = {4: 64, 8: 64}
+_MAX_K = 8192  # the kernel dequantizes three weight rows into a stack buffer of 3 * K floats
 
 
 @dataclass(frozen=True)
@@ -83,9 +83,9 @@ class BlockWeight:
 def pack_exact(w: torch.Tensor) -> BlockWeight | None:
     """W float32 [out, in] → its 4-bit blocks, else its 8-bit blocks, when they give back every
     weight exactly; None when neither does, or W is not a float32 CPU matrix the kernel takes
-    (in a multiple of 32 up to 8,192, out even) or the kernels are not built here."""
+    (in a multiple of 32 up to 8,192) or the kernels are not built here."""
     if (w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2 or w.shape[1] % BLOCK
-            or w.shape[1] > _MAX_K or w.shape[0] % 2 or not w.numel() or not available()):
+            or w.shape[1] > _MAX_K or not w.numel() or not available()):
         return None
     rows, cols = w.shape
     w = w.detach().contiguous()  # (an inf or NaN is refused in C)
