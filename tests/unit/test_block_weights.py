@@ -5,6 +5,11 @@ rounding, and any other weight stays float32 only."""
 
 from __future__ import annotations
 
+import ctypes
+import os
+import platform
+import subprocess
+
 import pytest
 import torch
 
@@ -118,3 +123,28 @@ def test_the_default_model_is_loaded_with_its_gguf_blocks(default_model_path):
     assert torch.equal(ours.d.reshape(-1), torch.from_numpy(raw[:, :2].copy().view(np.float16)).float().reshape(-1))
     assert torch.equal(ours.m.reshape(-1), torch.from_numpy(raw[:, 2:4].copy().view(np.float16)).float().reshape(-1))
     assert torch.equal(ours.qs.reshape(-1, 16), torch.from_numpy(raw[:, 4:].copy()))
+
+
+def test_the_portable_kernel_without_avx2_gives_the_same_products(tmp_path):
+    """The C file's plain-loop branch (a CPU without AVX2 and FMA, such as an ARM host), built
+    here with them switched off, against the blocks the native build found."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the switches that turn AVX2 off are x86's; elsewhere the native build is the portable one")
+    lib_path = tmp_path / "portable.so"
+    subprocess.run([os.environ.get("CC", "cc"), "-O2", "-mno-avx2", "-mno-fma", "-mno-f16c", "-shared", "-fPIC", "-o", str(lib_path),
+                    str(cpu_paged_attention.SOURCE.with_name("cpu_block_matmul.c")), "-lm"], check=True)
+    lib = ctypes.CDLL(str(lib_path))
+    lib.tandem_block_matmul.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                        ctypes.c_void_p]
+    for make in (q4_1, q8_0):
+        w = make(67, 96, seed=3)
+        blocks = pack_exact(w)
+        for rows in (1, 5):
+            x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+            y = torch.empty(rows, 67)
+            lib.tandem_block_matmul(blocks.bits, x.data_ptr(), rows, 96, blocks.qs.data_ptr(), blocks.d.data_ptr(),
+                                    blocks.m.data_ptr(), 67, y.data_ptr())
+            exact = (x.double() @ w.double().t()).float()
+            assert (y - exact).abs().max() <= 1e-5 * (x.abs() @ w.abs().t()).max()
+            assert torch.allclose(y, blocks.matmul(x), rtol=1e-5, atol=1e-5)
