@@ -94,19 +94,19 @@ def test_decode_replicas_own_cores_the_rest_share_what_is_left_and_a_dead_ones_c
             second = Child("own", tmp_path)
             children.append(second)
             assert second.report()["cores"] == cores[1:2]
-            s = wait_report(shared, cores)  # every core held: run anywhere, decode's cores too,
+            s = wait_report(shared, cores, nice=START_NICE)  # every core held: run anywhere, decode's cores too,
             assert s["cores"] == cores and s["nice"] == s["early_nice"] == START_NICE  # as it started
             if len(cores) == 2:  # and the decode replicas, whose cores they share, too
                 a = wait_report(first, cores[:1], nice=START_NICE)
                 assert a["nice"] == a["early_nice"] == START_NICE
             second.stop()
-            s = wait_report(shared, left)
+            s = wait_report(shared, left, nice=raised)  # its cores and its nice are set one after the other
             assert s["nice"] == s["early_nice"] == raised
             a = wait_report(first, cores[:1], nice=own)
             assert a["nice"] == a["early_nice"] == own
 
         first.stop()  # its lock goes with it
-        s = wait_report(shared, cores)
+        s = wait_report(shared, cores, nice=START_NICE)
         assert s["cores"] == s["process"] == cores and s["nice"] == START_NICE  # no decode replica: as it started
         third = Child("own", tmp_path)
         children.append(third)
