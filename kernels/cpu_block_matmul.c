@@ -83,7 +83,7 @@ static inline __attribute__((always_inline)) void tile(const int W, const int R,
 }
 
 /* tile's one row of x (a decode step of one stream): two accumulators a weight row, over
- * alternate 8-float halves of each 16, so the FMAs' latency is not the bound */
+ * alternate 8-float halves of each 16 (K a multiple of 16), so the FMAs' latency is not the bound */
 static inline __attribute__((always_inline)) void tile1(const int W, const float *x, int64_t K, const float *w,
                                                         float *y) {
     __m256 acc[2][3];

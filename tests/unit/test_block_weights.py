@@ -131,8 +131,9 @@ def test_the_portable_kernel_without_avx2_gives_the_same_products(tmp_path):
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the switches that turn AVX2 off are x86's; elsewhere the native build is the portable one")
     lib_path = tmp_path / "portable.so"
-    subprocess.run([os.environ.get("CC", "cc"), "-O2", "-mno-avx2", "-mno-fma", "-mno-f16c", "-shared", "-fPIC", "-o", str(lib_path),
-                    str(cpu_paged_attention.SOURCE.with_name("cpu_block_matmul.c")), "-lm"], check=True)
+    source = cpu_paged_attention.SOURCE.with_name("cpu_block_matmul.c")
+    subprocess.run([os.environ.get("CC", "cc"), "-O2", "-mno-avx2", "-mno-fma", "-mno-f16c", "-shared", "-fPIC",
+                    "-o", str(lib_path), str(source), "-lm"], check=True)
     lib = ctypes.CDLL(str(lib_path))
     lib.tandem_block_matmul.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
