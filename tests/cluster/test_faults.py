@@ -68,13 +68,17 @@ def post_chat(url: str, body: dict) -> tuple[int, dict, dict]:
 
 
 def test_prefill_replica_killed_before_handoff_is_retried_on_another(serve_url, tiny_model_paths):
-    """On the tiny random Llama, its prefill steps slowed: the kill lands while the prompt is computed."""
+    """On the tiny random Llama, its prefill steps slowed: the kill lands while the prompt is computed.
+    The prompt is queued there for three slowed steps (3.6 s); the replica is found by stats posted
+    within the last second, so the kill cannot land after the hand-off on a stale post (a loaded
+    host can delay a post by more than the board's period)."""
     args = on_tiny("serve-tcp.yaml", tiny_model_paths, max_num_batched_tokens=256, cpu_kv_cache_bytes=64 << 20)
-    fresh(config(args, prefill=2, pauses={"PrefillPool": PREFILL_PAUSE_S}),
+    fresh(config(args, prefill=2, pauses={"PrefillPool": 2 * PREFILL_PAUSE_S}),
           {"Router": 1, "DecodePool": 1, "PrefillPool": 2})
     worker, result = chat_in_background(serve_url, LONG, 8, model="tiny")
     # the replica that is prefilling our prompt
-    busy = wait_for_replica(serve_url, lambda s: s["pool"] == "prefill" and s["queued_prompt_tokens"] > 0, 30,
+    busy = wait_for_replica(serve_url, lambda s: (s["pool"] == "prefill" and s["queued_prompt_tokens"] > 0
+                                                  and time.time() - s["posted_at"] < 1.0), 30,
                             "a prefill replica to take the prompt")
     os.kill(busy["pid"], signal.SIGKILL)
     worker.join(timeout=120)
