@@ -53,7 +53,7 @@ from cluster.stats_board import ask_board, post_forever
 from cluster.sampling_params import SamplingParams
 
 POOL_WATCH_PERIOD_S = 1.0
-POOL_WATCH_IDLE_S = 10.0  # no request (nor /health) for this long: stop asking Serve (~25 ms of CPU a look)
+POOL_WATCH_IDLE_S = 10.0  # no request (nor /health) for this long: stop asking Serve (~4 ms of CPU a look)
 
 
 def serving_request_id() -> str:
@@ -77,6 +77,23 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 
 
 api.add_middleware(HeaderLimits)
+
+
+def running_replicas(app_name: str) -> dict[str, int] | None:
+    """Serve's replicas taking calls (RUNNING or RECOVERING) per deployment of the app; None
+    when Serve or the app is not there. Read from the controller's details as the plain dict
+    `serve.status()` parses: the parse into pydantic models pickles each deployment's request
+    router class again, ~10 ms of the caller's CPU a look on the 2-core AVX-512 host against
+    ~1 ms for the dict (the controller's own share, ~2.5-3 ms, the same either way)."""
+    from ray.serve.context import _get_global_client  # (what serve.status() reads; Ray is pinned)
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    app = client.get_serve_details().get("applications", {}).get(app_name) if client is not None else None
+    if app is None:
+        return None
+    taking = ("RUNNING", "RECOVERING")
+    return {name: sum(getattr(r["state"], "value", r["state"]) in taking for r in d.get("replicas", ()))
+            for name, d in app.get("deployments", {}).items()}
 
 
 # Everything the Router's routes use is defined above the class: `serve.ingress` freezes a
@@ -334,10 +351,9 @@ class RouterDeployment:
 
     async def _look_at_pools(self) -> None:
         try:
-            app = (await asyncio.to_thread(serve.status)).applications.get(self.app_name)
-            if app is not None:
-                self.running = {n: sum(d.replica_states.get(s, 0) for s in ("RUNNING", "RECOVERING"))
-                                for n, d in app.deployments.items()}
+            running = await asyncio.to_thread(running_replicas, self.app_name)
+            if running is not None:
+                self.running = running
         except Exception:  # the controller restarting: keep the last view
             pass
 

@@ -96,6 +96,9 @@ def test_no_prefill_replica_is_a_fast_503(serve_url, tiny_model_paths):
     # (its replica never starts, so has nothing to drain, but deleting the app waits Serve's grace for it)
     cfg["applications"][0]["deployments"][-1]["graceful_shutdown_timeout_s"] = 1
     fresh(cfg, {"Router": 1, "DecodePool": 1, "PrefillPool": 0}, settled=False)
+    # the router's look at its pools reads what serve.status() shows, from the controller's dict
+    from cluster.router.app import running_replicas as routers_view
+    assert routers_view(APP) == running_replicas(settled=False) and routers_view("no-such-app") is None
     start = time.monotonic()
     status, headers, body = post_chat(serve_url, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
     assert status == 503 and headers.get("retry-after") == "1", (status, body)

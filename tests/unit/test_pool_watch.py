@@ -1,6 +1,6 @@
 """The router's view of its pools (one with no replica taking calls gets a fast 503): looked up
 in Serve's status each POOL_WATCH_PERIOD_S while requests come, not at all once none has for
-POOL_WATCH_IDLE_S (a look costs the router and Serve's controller ~25 ms of CPU each)."""
+POOL_WATCH_IDLE_S (a look costs Serve's controller ~3 ms of CPU, the router ~1 ms)."""
 
 from __future__ import annotations
 
