@@ -1,0 +1,34 @@
+"""bench/serve.py's verdicts on issue 32's targets: against vLLM-CPU they take its best figure
+of the dtypes run (on a CPU with native bf16, vLLM's bf16 is its faster config, as Tandem's own
+`auto` is bf16 there), so a run that adds vLLM's fp32 cannot make the targets easier."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(BENCH))  # (its own imports: local_cluster, servers)
+_spec = importlib.util.spec_from_file_location("serve_bench", BENCH / "serve.py")
+serve_bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(serve_bench)
+
+
+def run(tok_s: float, itl_p99: float) -> dict:
+    return {"concurrent16": {"out_tok_s": tok_s}, "mixed": {"itl_ms": {"p99": itl_p99}}}
+
+
+def test_targets_against_vllm_take_its_best_dtype():
+    systems = {"disaggregated": run(110.0, 60.0), "colocated": run(100.0, 400.0),
+               "vllm": run(80.0, 900.0), "vllm_bf16": run(120.0, 500.0)}
+    out = serve_bench.comparisons(systems)
+    assert out["concurrent16_tok_s_disagg_vs_vllm"] == round(110 / 120, 3)  # bf16's tok/s, the higher
+    assert out["mixed_itl_p99_disagg_vs_vllm"] == round(60 / 500, 3)  # bf16's ITL p99, the lower
+    assert out["met"] == {"mixed_itl_p99_disagg_vs_colocated": True, "mixed_itl_p99_disagg_vs_vllm": False,
+                          "concurrent16_tok_s_disagg_vs_vllm": False}
+    # one dtype run, or none: against that one, or no verdict
+    del systems["vllm_bf16"]
+    assert serve_bench.comparisons(systems)["met"]["concurrent16_tok_s_disagg_vs_vllm"] is True
+    del systems["vllm"]
+    assert serve_bench.comparisons(systems)["met"]["concurrent16_tok_s_disagg_vs_vllm"] is None
