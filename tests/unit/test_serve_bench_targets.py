@@ -9,10 +9,13 @@ import sys
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path.insert(0, str(BENCH))  # (its own imports: local_cluster, servers)
 _spec = importlib.util.spec_from_file_location("serve_bench", BENCH / "serve.py")
 serve_bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(serve_bench)
+sys.path.insert(0, str(BENCH))  # for its own imports (local_cluster, servers), then taken off again:
+try:                            # bench/ holds names (serve, engine) no other test should import
+    _spec.loader.exec_module(serve_bench)
+finally:
+    sys.path.remove(str(BENCH))
 
 
 def run(tok_s: float, itl_p99: float) -> dict:
