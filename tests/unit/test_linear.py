@@ -1,14 +1,18 @@
 """A projection with bfloat16 weights beside float32 activations (a CPU engine's `dtype:
 bfloat16`): the product comes back in float32, within bf16's rounding of the fp32 product, packed
-for oneDNN where the CPU computes bf16 natively; a CPU that cannot is refused, not slowed."""
+for oneDNN where the CPU computes bf16 natively; a CPU that cannot is refused, not slowed; and
+which CPUs `dtype: auto` runs in bf16."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
 
 from cluster.engine import model_runner
 from cluster.engine.model_runner import weight_dtypes
+from cluster.models import linear
 from cluster.models.linear import Linear, RefinedHead, onednn_packing
 
 native_bf16 = pytest.mark.skipif(not onednn_packing(torch.bfloat16),
@@ -44,11 +48,37 @@ def test_bfloat16_on_cpu_multiplies_in_bf16_and_keeps_the_rest_float32():
     assert weight_dtypes(torch.bfloat16, torch.device("cpu")) == (torch.float32, torch.bfloat16)
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_auto_is_bfloat16_on_a_cpu_with_native_bf16_and_float32_on_others(monkeypatch, native):
-    monkeypatch.setattr(model_runner, "onednn_packing", lambda dtype=torch.float32: native or dtype != torch.bfloat16)
-    assert model_runner.pick_dtype("auto", torch.device("cpu")) == (torch.bfloat16 if native else torch.float32)
+@pytest.mark.parametrize("flags, vendor, expected", [
+    ("avx512f avx512_bf16 amx_bf16 amx_tile", "GenuineIntel", torch.bfloat16),  # Sapphire Rapids on
+    ("avx512f avx512_bf16", "AuthenticAMD", torch.bfloat16),  # Zen 4 and 5
+    ("avx512f avx512_bf16 avx512_fp16", "GenuineIntel", torch.float32),  # AMX hidden: bf16 is slower
+    ("avx512f avx2", "AuthenticAMD", torch.float32),  # no native bf16
+    ("avx2 fma", "GenuineIntel", torch.float32),
+])
+def test_auto_is_bfloat16_only_on_a_cpu_where_it_beats_float32(monkeypatch, flags, vendor, expected):
+    monkeypatch.setattr(linear, "_cpu_identity", lambda: (flags.split(), vendor))
+    monkeypatch.setattr(model_runner, "onednn_packing", lambda dtype=torch.float32: True)
+    assert model_runner.pick_dtype("auto", torch.device("cpu")) == expected
     assert model_runner.pick_dtype("float32", torch.device("cpu")) == torch.float32
+    assert model_runner.pick_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16  # asked for: runs
+
+
+def test_auto_is_float32_where_onednn_cannot_pack_bf16(monkeypatch):
+    monkeypatch.setattr(linear, "_cpu_identity", lambda: (["avx512f", "amx_bf16"], "GenuineIntel"))
+    monkeypatch.setattr(model_runner, "onednn_packing", lambda dtype=torch.float32: dtype != torch.bfloat16)
+    assert model_runner.pick_dtype("auto", torch.device("cpu")) == torch.float32
+
+
+def test_the_cpu_identity_is_read_from_proc_cpuinfo():
+    """What `auto` decides on: the first CPU's flags and vendor, as /proc/cpuinfo lists them."""
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        assert linear._cpu_identity() == ([], "")
+        return
+    flags = re.search(r"^flags\s*:(.*)$", text, re.M)
+    vendor = re.search(r"^vendor_id\s*:(.*)$", text, re.M)
+    assert linear._cpu_identity() == (flags.group(1).split() if flags else [], vendor.group(1).strip() if vendor else "")
 
 
 def test_a_cpu_engine_in_bf16_keeps_kv_in_bf16_only_where_its_kernels_read_it():

