@@ -57,9 +57,10 @@ def bf16_beats_fp32() -> bool:
     it: on AMX tiles (Intel Xeon from Sapphire Rapids), or with AVX512-BF16 on AMD (a Zen 5, one
     thread, 512 rows through 30 packed 1536x576 weights: 1.87 ms in bf16 against 3.64 in fp32).
     Not with AVX512-BF16 alone on an Intel core (Cooper Lake, or a Xeon whose VM hides AMX): the
-    same product took 12.6 ms against 7.7 in fp32 on such a Xeon, oneDNN on its native bf16
-    kernel, and the engine prefilled at 0.71x fp32's rate (docs/performance.md). bf16 still runs
-    there when asked for (`onednn_packing`)."""
+    same product took 11.4 ms against 7.0 in fp32 on such a Xeon, oneDNN on its native bf16
+    kernel, and the engine prefilled at 0.71x fp32's rate; its decode steps read the default
+    model's 4-bit blocks in fp32, faster than bf16 at one stream (docs/performance.md). bf16
+    still runs there when asked for (`onednn_packing`)."""
     flags, vendor = _cpu_identity()
     return "amx_bf16" in flags or ("avx512_bf16" in flags and vendor == "AuthenticAMD")
 
