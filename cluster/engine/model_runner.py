@@ -12,7 +12,7 @@ from cluster.config import CacheConfig, ModelConfig
 from cluster.engine.cuda_graphs import DecodeGraphs
 from cluster.engine.kv_cache import allocate_kv_cache
 from cluster.engine.sampler import Logprob, sample, score_tokens
-from cluster.engine.scheduler import ScheduledChunk, StepPlan
+from cluster.engine.step_plan import ScheduledChunk, StepPlan
 from cluster.models.architecture import Architecture
 from cluster.models.attention import AttentionMetadata, PrefillChunk, cpu_decode_index, cpu_verify_index
 from cluster.models.linear import bf16_beats_fp32, onednn_packing

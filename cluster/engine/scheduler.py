@@ -50,63 +50,17 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable
 
 from cluster.config import SchedulerConfig
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.step_cost import StepCost
+from cluster.engine.step_plan import ScheduledChunk, StepPlan
 
 MAX_DEFERRED = 64  # waiting requests passed over in one step while their shared blocks compute
 MIN_PROMPT_CHUNK = 16  # prompt tokens a step carries at least under `max_step_ms`
 TAIL_FRACTION = 16  # a prompt's last chunk may run over the step's budget by budget // this
-
-
-@dataclass(frozen=True)
-class ScheduledChunk:
-    """Tokens token_ids[start:start+num_tokens] of `request` run this step. A decoding request
-    may carry draft tokens (speculative decoding): they follow its last token, at positions
-    num_tokens .. num_tokens + len(drafts) - 1, and count in `num_tokens`; every position of the
-    chunk is sampled, and the drafts are verified against those samples.
-
-        token_ids  | ... t(n-1) |                 num_tokens = 1 + 3
-        chunk      |   t(n-1)   | d0 | d1 | d2 |   sampled: 4 rows
-    """
-
-    request: Request
-    start: int
-    num_tokens: int
-    draft_token_ids: tuple[int, ...] = ()
-
-    @property
-    def num_drafts(self) -> int:
-        return len(self.draft_token_ids)
-
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the end of the known tokens, so its last position is sampled."""
-        return self.start + self.num_tokens - len(self.draft_token_ids) == self.request.num_tokens
-
-    @property
-    def token_ids(self) -> list[int]:
-        """The tokens this chunk computes, drafts included."""
-        known = self.request.token_ids[self.start:self.start + self.num_tokens - len(self.draft_token_ids)]
-        return known + list(self.draft_token_ids)
-
-
-@dataclass
-class StepPlan:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks
 
 
 class Scheduler:

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, ClassVar, Sequence
 from cluster.engine.request import Request
 
 if TYPE_CHECKING:
-    from cluster.engine.scheduler import ScheduledChunk
+    from cluster.engine.step_plan import ScheduledChunk
 
 
 class Proposer(ABC):

@@ -24,7 +24,7 @@ import torch
 
 from cluster.config import SpeculativeConfig
 from cluster.engine.model_runner import ModelRunner
-from cluster.engine.scheduler import ScheduledChunk
+from cluster.engine.step_plan import ScheduledChunk
 from cluster.engine.spec.base import Proposer
 from cluster.engine.tokenizer import Tokenizer
 from cluster.models.architecture import Architecture

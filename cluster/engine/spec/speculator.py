@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 from cluster.config import SpeculativeConfig
 from cluster.engine.block_manager import BlockManager
-from cluster.engine.scheduler import ScheduledChunk, StepPlan
+from cluster.engine.step_plan import ScheduledChunk, StepPlan
 from cluster.engine.spec.base import Proposer
 from cluster.engine.spec.policy import DraftPolicy
 from cluster.engine.step_cost import StepCost
