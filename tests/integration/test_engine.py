@@ -81,14 +81,14 @@ def test_default_model_answers_paris():
 @pytest.mark.slow
 @pytest.mark.skipif(not onednn_packing(torch.bfloat16), reason="this CPU has no native bf16 (AVX512-BF16 or AMX)")
 def test_default_model_in_bfloat16_on_cpu_answers_as_in_float32():
-    """dtype bfloat16 on CPU, which `auto` picks on this CPU: the projections and the LM head
-    multiply in bf16, the head's leading logits recomputed in fp32 (the first token here beats
-    its runner-up by 0.08 in fp32: a rounded head ties them), K/V stored in bf16; the answer's
-    first token and its logprob agree with fp32's."""
+    """dtype bfloat16 on CPU (`auto` where bf16 beats fp32: AMX, or AVX512-BF16 on AMD): the
+    projections and the LM head multiply in bf16, the head's leading logits recomputed in fp32
+    (the first token here beats its runner-up by 0.08 in fp32: a rounded head ties them), K/V
+    stored in bf16; the answer's first token and its logprob agree with fp32's."""
     question = [{"role": "user", "content": "What is the capital of France?"}]
     params = SamplingParams(temperature=0.0, max_tokens=32, logprobs=1)
     fp32 = LLM(dtype="float32").chat(question, params)[0].outputs[0]
-    llm = LLM()
+    llm = LLM(dtype="bfloat16")
     bf16 = llm.chat(question, params)[0].outputs[0]
     runner = llm.engine.runner
     assert runner.kv_cache.dtype == torch.bfloat16
