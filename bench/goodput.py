@@ -52,6 +52,7 @@ TANDEM_VARIANTS = {"disaggregated_prefill_2t": ("configs/serve.yaml", {"prefill_
                    "disaggregated_unbound": ("configs/serve.yaml", {"cpu_binding": False}),
                    "disaggregated_bf16": ("configs/serve.yaml", {"engine": {"dtype": "bfloat16"}}),
                    "disaggregated_fp32": ("configs/serve.yaml", {"engine": {"dtype": "float32"}}),
+                   "disaggregated_chunk256": ("configs/serve.yaml", {"engine": {"long_prefill_token_threshold": 256}}),
                    "colocated_bf16": ("configs/colocated.yaml", {"engine": {"dtype": "bfloat16"}}),
                    "disaggregated_nospec": ("configs/serve.yaml", {"speculative_config": None}),
                    "disaggregated_ngram": ("configs/serve.yaml", {"speculative_config": {"method": "ngram"}}),
