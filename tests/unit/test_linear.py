@@ -78,7 +78,8 @@ def test_the_cpu_identity_is_read_from_proc_cpuinfo():
         return
     flags = re.search(r"^flags\s*:(.*)$", text, re.M)
     vendor = re.search(r"^vendor_id\s*:(.*)$", text, re.M)
-    assert linear._cpu_identity() == (flags.group(1).split() if flags else [], vendor.group(1).strip() if vendor else "")
+    expected = (flags.group(1).split() if flags else [], vendor.group(1).strip() if vendor else "")
+    assert linear._cpu_identity() == expected
 
 
 def test_a_cpu_engine_in_bf16_keeps_kv_in_bf16_only_where_its_kernels_read_it():
