@@ -100,6 +100,12 @@ class SchedulerConfig:
     step is at most this many tokens (0: the budget), so a step that carries a long prompt ends
     sooner and what waits behind it (on a prefill replica under `ttft`, a shorter prompt that
     passes it between steps) starts sooner, at a step's fixed cost per extra chunk.
+    `chunk_by_arrivals`: under `ttft`, that cap holds while prompts arrive often enough to be
+    worth it. A bigger chunk (a multiple of the cap, up to the budget) saves the long prompt the
+    fixed cost of the steps it replaces and makes each prompt that arrives meanwhile wait longer;
+    the scheduler takes the size whose expected sum of the two is least at the prefill-only
+    arrival rate it has seen (engine/scheduler.py). Alone on an idle replica, a long prompt then
+    goes in chunks of the whole budget; under a steady stream of prompts, in chunks of the cap.
     `ttft_slo_ms` (the prefill pool takes the app's): under `ttft`, a prompt part way through its
     chunks is not passed when the pass alone would make it miss this time to first token.
     """
@@ -112,6 +118,7 @@ class SchedulerConfig:
     prefill_schedule: str = "ttft"
     max_step_ms: float = 0.0
     long_prefill_token_threshold: int = 0
+    chunk_by_arrivals: bool = False
     ttft_slo_ms: float = 0.0
 
     @property
@@ -125,6 +132,8 @@ class SchedulerConfig:
         cap = self.long_prefill_token_threshold
         if not isinstance(cap, int) or isinstance(cap, bool) or cap < 0:
             raise ValueError(f"long_prefill_token_threshold must be an integer >= 0, got {cap!r}")
+        if not isinstance(self.chunk_by_arrivals, bool):
+            raise ValueError(f"chunk_by_arrivals must be true or false, got {self.chunk_by_arrivals!r}")
         for name in ("max_step_ms", "ttft_slo_ms"):
             ms = getattr(self, name)
             if not isinstance(ms, (int, float)) or isinstance(ms, bool) or not 0 <= ms < float("inf"):

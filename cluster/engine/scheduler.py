@@ -34,6 +34,13 @@ is what every prompt in it waits on for its first token), within a priority:
   rest of it (`long_prefill_token_threshold` bounds the chunk). With `ttft_slo_ms` (the app's, on
   the prefill pool), not when the pass alone would make the one passed miss it: a prompt that
   makes the SLO either way, or misses it either way, is passed.
+- Chunk size (`chunk_by_arrivals`): a prompt longer than `long_prefill_token_threshold` goes
+  in chunks of a multiple of it (up to the budget) where that pays. With a fit of `fixed +
+  per_token x tokens` a chunk of n tokens takes t(n) seconds; against chunks of the cap c it
+  saves the prompt (n/c - 1) x fixed, and each prompt that arrives during it (rate x t(n) of
+  them, at the prefill-only arrival rate seen over ARRIVAL_WINDOW_S) waits (t(n) - t(c)) / 2
+  longer on average. The size with the least sum goes: the budget on an idle replica, the cap
+  under a steady stream of prompts, a size between them between.
 - Batch size: a prompt joins the step while what it adds to the step, paid by each of the k
   prompts already finishing in it (k x per_token x its tokens), is less than the fixed cost of
   a step of its own. On a CPU, where a token costs much against the fixed part, that is a few
@@ -61,6 +68,8 @@ from cluster.engine.step_plan import ScheduledChunk, StepPlan
 MAX_DEFERRED = 64  # waiting requests passed over in one step while their shared blocks compute
 MIN_PROMPT_CHUNK = 16  # prompt tokens a step carries at least under `max_step_ms`
 TAIL_FRACTION = 16  # a prompt's last chunk may run over the step's budget by budget // this
+ARRIVAL_WINDOW_S = 60.0  # the prefill-only arrivals `chunk_by_arrivals` counts
+ARRIVAL_PRIOR_S = 2.0  # added to the time they are counted over: a first arrival reads as 0.5/s
 
 
 class Scheduler:
@@ -78,6 +87,8 @@ class Scheduler:
         self.by_priority = config.scheduling_policy == "priority"
         self.for_ttft = config.prefill_schedule == "ttft"
         self.clock = time.monotonic  # what arrival times are measured on
+        self.arrivals: deque[float] = deque()  # prefill-only, the last ARRIVAL_WINDOW_S (chunk_by_arrivals)
+        self.first_arrival: float | None = None
 
     # -- admission -----------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -85,6 +96,10 @@ class Scheduler:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
         self.waiting.append(req)
+        if req.prefill_only and self.config.chunk_by_arrivals:
+            self.arrivals.append(req.arrival_time)
+            if self.first_arrival is None:
+                self.first_arrival = req.arrival_time
 
     def add_remote(self, req: Request) -> list[int] | None:
         """Reserve blocks for a prompt whose KV comes from elsewhere; None if they don't fit now.
@@ -148,7 +163,7 @@ class Scheduler:
             rest = req.num_tokens - req.num_computed_tokens
             n = min(rest, budget)
             if n > 1:  # a prompt's chunk (or a preempted request's recompute)
-                n = self._chunk(rest, min(budget, prompt_room))
+                n = self._chunk(rest, min(budget, prompt_room), self._prompt_chunk(req, rest))
                 if n <= 0:
                     i += 1
                     continue
@@ -160,13 +175,45 @@ class Scheduler:
             i += 1
         return budget, prompt_room
 
-    def _chunk(self, rest: int, budget: int) -> int:
-        """Tokens a step with `budget` left computes of a prompt with `rest` to go, at most
-        `long_prefill_token_threshold` of them: all when no more than a sliver (budget //
-        TAIL_FRACTION) would be left for the step after, which would cost a step's fixed part for
-        a few tokens (a 1,038-token prompt in steps of 512 + 526, not 512 + 512 + 14), else `budget`."""
-        budget = min(budget, self.config.prompt_chunk)
+    def _chunk(self, rest: int, budget: int, cap: int) -> int:
+        """Tokens a step with `budget` left computes of a prompt with `rest` to go, at most `cap`
+        of them: all when no more than a sliver (budget // TAIL_FRACTION) would be left for the
+        step after, which would cost a step's fixed part for a few tokens (a 1,038-token prompt
+        in steps of 512 + 526, not 512 + 512 + 14), else `budget`."""
+        budget = min(budget, cap)
         return rest if rest - budget <= budget // TAIL_FRACTION else budget
+
+    def _prompt_chunk(self, req: Request, rest: int) -> int:
+        """The most tokens of `req`'s prompt, `rest` to go, a step computes: the cap, or under
+        `chunk_by_arrivals` the multiple of it whose saved steps less the wait it adds to the
+        prompts expected to arrive meanwhile is best (module docstring)."""
+        cap = self.config.prompt_chunk
+        cost = self._prompt_cost() if self.config.chunk_by_arrivals and req.prefill_only else None
+        if cost is None or rest <= cap:
+            return cap
+        fixed, per_token = cost
+        rate = self.arrival_rate()
+        t_cap = fixed + per_token * cap
+
+        def expected_s(size: int) -> float:  # seconds added in all (< 0: saved) against the cap
+            n = min(size, rest)
+            t = fixed + per_token * n
+            return rate * t * (t - t_cap) / 2 - fixed * (math.ceil(n / cap) - 1)
+        sizes, size = [], cap
+        while size < self.config.max_num_batched_tokens and size < rest:
+            size *= 2
+            sizes.append(min(size, self.config.max_num_batched_tokens))
+        return min(sizes, key=expected_s) if sizes and min(map(expected_s, sizes)) < 0 else cap
+
+    def arrival_rate(self) -> float:
+        """Prefill-only prompts a second over the last ARRIVAL_WINDOW_S (or since the first,
+        plus ARRIVAL_PRIOR_S, so one prompt on a new replica is not read as a quiet one)."""
+        now = self.clock()
+        while self.arrivals and self.arrivals[0] < now - ARRIVAL_WINDOW_S:
+            self.arrivals.popleft()
+        if self.first_arrival is None:
+            return 0.0
+        return len(self.arrivals) / (min(ARRIVAL_WINDOW_S, now - self.first_arrival) + ARRIVAL_PRIOR_S)
 
     def _passed_over(self) -> dict[str, tuple[int, float]]:
         """Under ttft, the prompts part way through their chunks that a waiting prompt goes
@@ -238,10 +285,11 @@ class Scheduler:
             n = req.num_tokens - num_cached
             if cost is not None and req.prefill_only and finishing and finishing * cost[1] * n > cost[0]:
                 break  # cheaper for the prompts in this step to go now, and this one next step
-            if n > min(budget, self.config.prompt_chunk):
+            cap = self._prompt_chunk(req, n)
+            if n > min(budget, cap):
                 if not self.config.enable_chunked_prefill and plan.chunks:
                     break
-                n = self._chunk(n, budget) if self.config.enable_chunked_prefill else n
+                n = self._chunk(n, budget, cap) if self.config.enable_chunked_prefill else n
             if not self.blocks.allocate(req, n, cached):
                 break
             self.waiting.remove(req)
