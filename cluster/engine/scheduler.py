@@ -39,8 +39,10 @@ is what every prompt in it waits on for its first token), within a priority:
   per_token x tokens` a chunk of n tokens takes t(n) seconds; against chunks of the cap c it
   saves the prompt (n/c - 1) x fixed, and each prompt that arrives during it (rate x t(n) of
   them, at the prefill-only arrival rate seen over ARRIVAL_WINDOW_S) waits (t(n) - t(c)) / 2
-  longer on average. The size with the least sum goes: the budget on an idle replica, the cap
-  under a steady stream of prompts, a size between them between.
+  longer on average, and so do the prompts that queue behind it: x 1 / (1 - load), the load
+  being the fitted compute time of the prompts that arrived over the time they came in (the
+  non-preemptive priority queue's wait). The size with the least sum goes: the budget on a
+  quiet replica, the cap under a steady stream of prompts, a size between them between.
 - Batch size: a prompt joins the step while what it adds to the step, paid by each of the k
   prompts already finishing in it (k x per_token x its tokens), is less than the fixed cost of
   a step of its own. On a CPU, where a token costs much against the fixed part, that is a few
@@ -87,7 +89,8 @@ class Scheduler:
         self.by_priority = config.scheduling_policy == "priority"
         self.for_ttft = config.prefill_schedule == "ttft"
         self.clock = time.monotonic  # what arrival times are measured on
-        self.arrivals: deque[float] = deque()  # prefill-only, the last ARRIVAL_WINDOW_S (chunk_by_arrivals)
+        self.arrivals: deque[tuple[float, int]] = deque()  # prefill-only (time, prompt tokens), the
+        # last ARRIVAL_WINDOW_S (chunk_by_arrivals)
         self.first_arrival: float | None = None
 
     # -- admission -----------------------------------------------------------------
@@ -97,7 +100,7 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.waiting.append(req)
         if req.prefill_only and self.config.chunk_by_arrivals:
-            self.arrivals.append(req.arrival_time)
+            self.arrivals.append((req.arrival_time, req.num_prompt_tokens))
             if self.first_arrival is None:
                 self.first_arrival = req.arrival_time
 
@@ -192,28 +195,33 @@ class Scheduler:
         if cost is None or rest <= cap:
             return cap
         fixed, per_token = cost
-        rate = self.arrival_rate()
+        rate, load = self.arrivals_seen(fixed, per_token)
+        if load >= 1.0:
+            return cap
         t_cap = fixed + per_token * cap
 
         def expected_s(size: int) -> float:  # seconds added in all (< 0: saved) against the cap
             n = min(size, rest)
             t = fixed + per_token * n
-            return rate * t * (t - t_cap) / 2 - fixed * (math.ceil(n / cap) - 1)
+            return rate * t * (t - t_cap) / 2 / (1 - load) - fixed * (math.ceil(n / cap) - 1)
         sizes, size = [], cap
         while size < self.config.max_num_batched_tokens and size < rest:
             size *= 2
             sizes.append(min(size, self.config.max_num_batched_tokens))
         return min(sizes, key=expected_s) if sizes and min(map(expected_s, sizes)) < 0 else cap
 
-    def arrival_rate(self) -> float:
-        """Prefill-only prompts a second over the last ARRIVAL_WINDOW_S (or since the first,
-        plus ARRIVAL_PRIOR_S, so one prompt on a new replica is not read as a quiet one)."""
+    def arrivals_seen(self, fixed: float, per_token: float) -> tuple[float, float]:
+        """(rate, load) of prefill-only prompts over the last ARRIVAL_WINDOW_S (or since the
+        first, plus ARRIVAL_PRIOR_S, so one prompt on a new replica is not read as a quiet one):
+        prompts a second, and their compute time by the fit (a step each) per second."""
         now = self.clock()
-        while self.arrivals and self.arrivals[0] < now - ARRIVAL_WINDOW_S:
+        while self.arrivals and self.arrivals[0][0] < now - ARRIVAL_WINDOW_S:
             self.arrivals.popleft()
         if self.first_arrival is None:
-            return 0.0
-        return len(self.arrivals) / (min(ARRIVAL_WINDOW_S, now - self.first_arrival) + ARRIVAL_PRIOR_S)
+            return 0.0, 0.0
+        span = min(ARRIVAL_WINDOW_S, now - self.first_arrival) + ARRIVAL_PRIOR_S
+        work = sum(fixed + per_token * tokens for _, tokens in self.arrivals)
+        return len(self.arrivals) / span, work / span
 
     def _passed_over(self) -> dict[str, tuple[int, float]]:
         """Under ttft, the prompts part way through their chunks that a waiting prompt goes

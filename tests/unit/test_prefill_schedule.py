@@ -261,26 +261,29 @@ def chunks_of(sched, req) -> list[int]:
     return seen
 
 
-def arrivals(sched, rate: float, until: float) -> None:
-    """Short prompts at `rate` a second up to `until`, served before the test's own prompt."""
+def arrivals(sched, rate: float, until: float, tokens: int = 10) -> None:
+    """Prompts at `rate` a second up to `until`, served before the test's own prompt."""
+    sched.clock = lambda: until
     for i in range(int(rate * until)):
-        prompt(sched, 10, arrival=i / rate)
+        prompt(sched, tokens, arrival=i / rate)
     while sched.has_work():
         run_step(sched)
-    sched.clock = lambda: until
 
 
-@pytest.mark.parametrize("rate,chunks", [
-    (0.1, [512, 512]),            # a prompt every 10 s: the steps saved outweigh the waits added
-    (0.5, [256, 256, 256, 256]),  # between
-    (2.0, [128] * 8),             # a steady stream: the cap
+@pytest.mark.parametrize("rate,tokens,chunks", [
+    (0.1, 10, [512, 512]),            # a prompt every 10 s: the steps saved outweigh the waits added
+    (0.5, 10, [256, 256, 256, 256]),  # between
+    (2.0, 10, [128] * 8),             # a steady stream: the cap
+    (0.5, 400, [128] * 8),            # as many prompts, but each ~1 s of work: a queue forms behind
 ])
-def test_chunks_by_arrivals_follow_the_arrival_rate(rate, chunks):
+def test_chunks_by_arrivals_follow_the_arrival_rate_and_load(rate, tokens, chunks):
     """1,024 tokens at a fit of 68 ms + 2.2 ms a token: a chunk of 512 takes 1.19 s and saves 3
     steps (0.2 s) against chunks of 128, and makes each prompt arriving during it wait 0.42 s
-    longer on average; worth it below ~0.33 prompts a second, and 256 up to ~0.77."""
+    longer on average (more when the replica is busy: x 1 / (1 - load)); worth it below ~0.33
+    short prompts a second, and 256 up to ~0.77. Prompts of 400 tokens at 0.5 a second keep the
+    replica ~46% busy: even 256 no longer pays."""
     sched = scheduler(HOST, long_prefill_token_threshold=128, chunk_by_arrivals=True)
-    arrivals(sched, rate, until=60.0)
+    arrivals(sched, rate, until=60.0, tokens=tokens)
     long = prompt(sched, 1024, arrival=60.0)
     assert chunks_of(sched, long) == chunks
 
@@ -288,9 +291,10 @@ def test_chunks_by_arrivals_follow_the_arrival_rate(rate, chunks):
 def test_chunks_by_arrivals_take_the_budget_alone_on_a_quiet_replica_and_the_cap_when_busy():
     sched = scheduler(HOST, long_prefill_token_threshold=128, chunk_by_arrivals=True)
     arrivals(sched, 2.0, until=30.0)
-    assert sched.arrival_rate() == pytest.approx(60 / 32)
+    rate, load = sched.arrivals_seen(*HOST)
+    assert rate == pytest.approx(60 / 32) and load == pytest.approx(60 * (0.068 + 0.022) / 32)
     sched.clock = lambda: 95.0  # a quiet minute and more since: the window holds none of them
-    assert sched.arrival_rate() == 0.0
+    assert sched.arrivals_seen(*HOST) == (0.0, 0.0)
     long = prompt(sched, 1024, arrival=95.0)
     assert chunks_of(sched, long) == [512, 512]
 
