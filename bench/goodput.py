@@ -54,7 +54,7 @@ TANDEM_VARIANTS = {"disaggregated_prefill_2t": ("configs/serve.yaml", {"prefill_
                    "disaggregated_fp32": ("configs/serve.yaml", {"engine": {"dtype": "float32"}}),
                    "disaggregated_chunk256": ("configs/serve.yaml",
                                               {"engine": {"long_prefill_token_threshold": 256}}),
-                   "disaggregated_by_arrivals": ("configs/serve.yaml", {"engine": {"chunk_by_arrivals": True}}),
+                   "disaggregated_cap_only": ("configs/serve.yaml", {"engine": {"chunk_by_arrivals": False}}),
                    "colocated_bf16": ("configs/colocated.yaml", {"engine": {"dtype": "bfloat16"}}),
                    "disaggregated_nospec": ("configs/serve.yaml", {"speculative_config": None}),
                    "disaggregated_ngram": ("configs/serve.yaml", {"speculative_config": {"method": "ngram"}}),

@@ -53,6 +53,8 @@ class PrefillPoolView:
     step_budget: int  # a prefill step's max_num_batched_tokens
     running: tuple[int, ...] = ()  # the rest of each prompt part way through its chunks
     chunk: int = 0  # one prompt's tokens in a step at most (SchedulerConfig.prompt_chunk); 0: step_budget
+    #                 (with chunk_by_arrivals a quiet pool takes bigger chunks: it is read as the cap,
+    #                 the size the pool keeps to when prompts come often enough to queue)
     passes_running: bool = False  # a shorter prompt passes one part way through its chunks
     #                               (prefill_schedule ttft), else that one runs to its end first
 
