@@ -101,6 +101,7 @@ class Scheduler:
         self.waiting.append(req)
         if req.prefill_only and self.config.chunk_by_arrivals:
             self.arrivals.append((req.arrival_time, req.num_prompt_tokens))
+            self._forget_arrivals(self.clock())
             if self.first_arrival is None:
                 self.first_arrival = req.arrival_time
 
@@ -215,8 +216,7 @@ class Scheduler:
         first, plus ARRIVAL_PRIOR_S, so one prompt on a new replica is not read as a quiet one):
         prompts a second, and their compute time by the fit (a step each) per second."""
         now = self.clock()
-        while self.arrivals and self.arrivals[0][0] < now - ARRIVAL_WINDOW_S:
-            self.arrivals.popleft()
+        self._forget_arrivals(now)
         if self.first_arrival is None:
             return 0.0, 0.0
         span = min(ARRIVAL_WINDOW_S, now - self.first_arrival) + ARRIVAL_PRIOR_S
@@ -260,6 +260,12 @@ class Scheduler:
         if not decoding:
             return budget
         return prompt_room(cap_s, cost.fixed_s, cost.per_token_s, decoding, budget)
+
+    def _forget_arrivals(self, now: float) -> None:
+        """Drop arrivals older than the window (on each arrival too: a replica that never sees a
+        long prompt keeps a minute's worth, not every prompt it was sent)."""
+        while self.arrivals and self.arrivals[0][0] < now - ARRIVAL_WINDOW_S:
+            self.arrivals.popleft()
 
     def _reserve_or_preempt(self, req: Request, n: int, plan: StepPlan) -> bool:
         while not self.blocks.allocate(req, n):

@@ -347,3 +347,13 @@ def test_a_short_prompt_arriving_during_a_big_chunk_still_passes_the_long_one_af
 def test_chunk_by_arrivals_must_be_a_bool(bad):
     with pytest.raises(ValueError, match="chunk_by_arrivals must be true or false"):
         scheduler(None, chunk_by_arrivals=bad)
+
+
+def test_chunks_by_arrivals_keep_a_minute_of_arrivals_not_every_one():
+    """Short prompts only, never one long enough to chunk: what is kept stays a window's worth."""
+    sched = scheduler(HOST, long_prefill_token_threshold=128, chunk_by_arrivals=True)
+    for i in range(3000):  # 10 a second for five minutes
+        sched.clock = lambda i=i: i / 10
+        prompt(sched, 10, arrival=i / 10)
+        run_step(sched)
+    assert 600 <= len(sched.arrivals) <= 601
