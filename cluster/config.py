@@ -104,8 +104,9 @@ class SchedulerConfig:
     worth it. A bigger chunk (a multiple of the cap, up to the budget) saves the long prompt the
     fixed cost of the steps it replaces and makes each prompt that arrives meanwhile wait longer
     (and those queued behind it); the scheduler takes the size whose expected sum of the two is
-    least at the prefill-only arrival rate and load it has seen (engine/scheduler.py). Alone on an idle replica, a long prompt then
-    goes in chunks of the whole budget; under a steady stream of prompts, in chunks of the cap.
+    least at the prefill-only arrival rate and load it has seen (engine/arrivals.py). Alone on a
+    quiet replica, a long prompt then goes in chunks of the whole budget; under a steady stream of
+    prompts, in chunks of the cap.
     `ttft_slo_ms` (the prefill pool takes the app's): under `ttft`, a prompt part way through its
     chunks is not passed when the pass alone would make it miss this time to first token.
     """

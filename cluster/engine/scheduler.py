@@ -35,14 +35,9 @@ is what every prompt in it waits on for its first token), within a priority:
   the prefill pool), not when the pass alone would make the one passed miss it: a prompt that
   makes the SLO either way, or misses it either way, is passed.
 - Chunk size (`chunk_by_arrivals`): a prompt longer than `long_prefill_token_threshold` goes
-  in chunks of a multiple of it (up to the budget) where that pays. With a fit of `fixed +
-  per_token x tokens` a chunk of n tokens takes t(n) seconds; against chunks of the cap c it
-  saves the prompt (n/c - 1) x fixed, and each prompt that arrives during it (rate x t(n) of
-  them, at the prefill-only arrival rate seen over ARRIVAL_WINDOW_S) waits (t(n) - t(c)) / 2
-  longer on average, and so do the prompts that queue behind it: x 1 / (1 - load), the load
-  being the fitted compute time of the prompts that arrived over the time they came in (the
-  non-preemptive priority queue's wait). The size with the least sum goes: the budget on a
-  quiet replica, the cap under a steady stream of prompts, a size between them between.
+  in chunks of a multiple of it (up to the budget) where the steps that saves it outweigh the
+  wait it adds to the prompts expected to arrive meanwhile (engine/arrivals.py): the budget on a
+  quiet replica, the cap under a steady stream of prompts.
 - Batch size: a prompt joins the step while what it adds to the step, paid by each of the k
   prompts already finishing in it (k x per_token x its tokens), is less than the fixed cost of
   a step of its own. On a CPU, where a token costs much against the fixed part, that is a few
@@ -62,6 +57,7 @@ from collections import deque
 from typing import Callable
 
 from cluster.config import SchedulerConfig
+from cluster.engine.arrivals import ArrivalWindow, chunk_size
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.step_cost import StepCost
@@ -70,8 +66,6 @@ from cluster.engine.step_plan import ScheduledChunk, StepPlan
 MAX_DEFERRED = 64  # waiting requests passed over in one step while their shared blocks compute
 MIN_PROMPT_CHUNK = 16  # prompt tokens a step carries at least under `max_step_ms`
 TAIL_FRACTION = 16  # a prompt's last chunk may run over the step's budget by budget // this
-ARRIVAL_WINDOW_S = 60.0  # the prefill-only arrivals `chunk_by_arrivals` counts
-ARRIVAL_PRIOR_S = 2.0  # added to the time they are counted over: a first arrival reads as 0.5/s
 
 
 class Scheduler:
@@ -89,9 +83,7 @@ class Scheduler:
         self.by_priority = config.scheduling_policy == "priority"
         self.for_ttft = config.prefill_schedule == "ttft"
         self.clock = time.monotonic  # what arrival times are measured on
-        self.arrivals: deque[tuple[float, int]] = deque()  # prefill-only (time, prompt tokens), the
-        # last ARRIVAL_WINDOW_S (chunk_by_arrivals)
-        self.first_arrival: float | None = None
+        self.arrivals = ArrivalWindow()  # prefill-only prompts, for chunk_by_arrivals
 
     # -- admission -----------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -100,10 +92,7 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.waiting.append(req)
         if req.prefill_only and self.config.chunk_by_arrivals:
-            self.arrivals.append((req.arrival_time, req.num_prompt_tokens))
-            self._forget_arrivals(self.clock())
-            if self.first_arrival is None:
-                self.first_arrival = req.arrival_time
+            self.arrivals.add(req.arrival_time, req.num_prompt_tokens, self.clock())
 
     def add_remote(self, req: Request) -> list[int] | None:
         """Reserve blocks for a prompt whose KV comes from elsewhere; None if they don't fit now.
@@ -189,39 +178,13 @@ class Scheduler:
 
     def _prompt_chunk(self, req: Request, rest: int) -> int:
         """The most tokens of `req`'s prompt, `rest` to go, a step computes: the cap, or under
-        `chunk_by_arrivals` the multiple of it whose saved steps less the wait it adds to the
-        prompts expected to arrive meanwhile is best (module docstring)."""
+        `chunk_by_arrivals` the multiple of it the arrivals make worth it (engine/arrivals.py)."""
         cap = self.config.prompt_chunk
         cost = self._prompt_cost() if self.config.chunk_by_arrivals and req.prefill_only else None
         if cost is None or rest <= cap:
             return cap
-        fixed, per_token = cost
-        rate, load = self.arrivals_seen(fixed, per_token)
-        if load >= 1.0:
-            return cap
-        t_cap = fixed + per_token * cap
-
-        def expected_s(size: int) -> float:  # seconds added in all (< 0: saved) against the cap
-            n = min(size, rest)
-            t = fixed + per_token * n
-            return rate * t * (t - t_cap) / 2 / (1 - load) - fixed * (math.ceil(n / cap) - 1)
-        sizes, size = [], cap
-        while size < self.config.max_num_batched_tokens and size < rest:
-            size *= 2
-            sizes.append(min(size, self.config.max_num_batched_tokens))
-        return min(sizes, key=expected_s) if sizes and min(map(expected_s, sizes)) < 0 else cap
-
-    def arrivals_seen(self, fixed: float, per_token: float) -> tuple[float, float]:
-        """(rate, load) of prefill-only prompts over the last ARRIVAL_WINDOW_S (or since the
-        first, plus ARRIVAL_PRIOR_S, so one prompt on a new replica is not read as a quiet one):
-        prompts a second, and their compute time by the fit (a step each) per second."""
-        now = self.clock()
-        self._forget_arrivals(now)
-        if self.first_arrival is None:
-            return 0.0, 0.0
-        span = min(ARRIVAL_WINDOW_S, now - self.first_arrival) + ARRIVAL_PRIOR_S
-        work = sum(fixed + per_token * tokens for _, tokens in self.arrivals)
-        return len(self.arrivals) / span, work / span
+        rate, load = self.arrivals.seen(self.clock(), *cost)
+        return chunk_size(rest, cap, self.config.max_num_batched_tokens, *cost, rate, load)
 
     def _passed_over(self) -> dict[str, tuple[int, float]]:
         """Under ttft, the prompts part way through their chunks that a waiting prompt goes
@@ -260,12 +223,6 @@ class Scheduler:
         if not decoding:
             return budget
         return prompt_room(cap_s, cost.fixed_s, cost.per_token_s, decoding, budget)
-
-    def _forget_arrivals(self, now: float) -> None:
-        """Drop arrivals older than the window (on each arrival too: a replica that never sees a
-        long prompt keeps a minute's worth, not every prompt it was sent)."""
-        while self.arrivals and self.arrivals[0][0] < now - ARRIVAL_WINDOW_S:
-            self.arrivals.popleft()
 
     def _reserve_or_preempt(self, req: Request, n: int, plan: StepPlan) -> bool:
         while not self.blocks.allocate(req, n):

@@ -6,6 +6,7 @@ import pytest
 
 from builders import make_request, make_scheduler, run_step
 
+from cluster.engine.arrivals import chunk_size
 from cluster.engine.step_cost import StepCost
 
 CPU = (0.036, 0.0012)  # (fixed, per token) seconds of a step: the default model, 1 thread, this host
@@ -291,10 +292,10 @@ def test_chunks_by_arrivals_follow_the_arrival_rate_and_load(rate, tokens, chunk
 def test_chunks_by_arrivals_take_the_budget_alone_on_a_quiet_replica_and_the_cap_when_busy():
     sched = scheduler(HOST, long_prefill_token_threshold=128, chunk_by_arrivals=True)
     arrivals(sched, 2.0, until=30.0)
-    rate, load = sched.arrivals_seen(*HOST)
+    rate, load = sched.arrivals.seen(30.0, *HOST)
     assert rate == pytest.approx(60 / 32) and load == pytest.approx(60 * (0.068 + 0.022) / 32)
     sched.clock = lambda: 95.0  # a quiet minute and more since: the window holds none of them
-    assert sched.arrivals_seen(*HOST) == (0.0, 0.0)
+    assert sched.arrivals.seen(95.0, *HOST) == (0.0, 0.0)
     long = prompt(sched, 1024, arrival=95.0)
     assert chunks_of(sched, long) == [512, 512]
 
@@ -356,4 +357,16 @@ def test_chunks_by_arrivals_keep_a_minute_of_arrivals_not_every_one():
         sched.clock = lambda i=i: i / 10
         prompt(sched, 10, arrival=i / 10)
         run_step(sched)
-    assert 600 <= len(sched.arrivals) <= 601
+    assert 600 <= len(sched.arrivals.arrivals) <= 601
+
+
+@pytest.mark.parametrize("rest,cap,budget,rate,load,size", [
+    (1024, 128, 512, 0.0, 0.0, 512),   # nothing arrives: the biggest the budget allows
+    (300, 128, 512, 0.0, 0.0, 512),    # ...which takes all 300 in one step
+    (1024, 100, 512, 0.0, 0.0, 512),   # multiples of the cap, the budget the last
+    (1024, 128, 512, 0.1, 1.0, 128),   # a replica loaded to its full: the cap
+    (100, 128, 512, 0.0, 0.0, 128),    # nothing to chunk
+    (1024, 512, 512, 0.0, 0.0, 512),   # the cap is the budget
+])
+def test_chunk_size(rest, cap, budget, rate, load, size):
+    assert chunk_size(rest, cap, budget, *HOST, rate, load) == size
