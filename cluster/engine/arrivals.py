@@ -32,10 +32,12 @@ class ArrivalWindow:
 
     def __init__(self) -> None:
         self.arrivals: deque[tuple[float, int]] = deque()
+        self.tokens = 0  # theirs in all
         self.first: float | None = None
 
     def add(self, time: float, tokens: int, now: float) -> None:
         self.arrivals.append((time, tokens))
+        self.tokens += tokens
         if self.first is None:
             self.first = time
         self._forget(now)  # on each arrival too: a replica that never chunks keeps a window's worth
@@ -48,12 +50,12 @@ class ArrivalWindow:
         if self.first is None:
             return 0.0, 0.0
         span = min(WINDOW_S, now - self.first) + PRIOR_S
-        work = sum(fixed + per_token * tokens for _, tokens in self.arrivals)
+        work = fixed * len(self.arrivals) + per_token * self.tokens
         return len(self.arrivals) / span, work / span
 
     def _forget(self, now: float) -> None:
         while self.arrivals and self.arrivals[0][0] < now - WINDOW_S:
-            self.arrivals.popleft()
+            self.tokens -= self.arrivals.popleft()[1]
 
 
 def chunk_size(rest: int, cap: int, budget: int, fixed: float, per_token: float,

@@ -358,6 +358,7 @@ def test_chunks_by_arrivals_keep_a_minute_of_arrivals_not_every_one():
         prompt(sched, 10, arrival=i / 10)
         run_step(sched)
     assert 600 <= len(sched.arrivals.arrivals) <= 601
+    assert sched.arrivals.tokens == 10 * len(sched.arrivals.arrivals)
 
 
 @pytest.mark.parametrize("rest,cap,budget,rate,load,size", [
