@@ -105,7 +105,7 @@ def engine_alone(args: dict[str, Any], model: Path, streams: list[int], tokens: 
                  repeats: int = 1) -> dict[str, Any]:
     import torch
 
-    from cluster.config import AppConfig
+    from cluster.app_config import AppConfig
     from cluster.engine.engine import LLMEngine
     from cluster.sampling_params import SamplingParams
 

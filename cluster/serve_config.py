@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from cluster.config import AppConfig
+from cluster.app_config import AppConfig
 
 TANDEM_IMPORT_PATH = "cluster.router.app:build_app"
 POOLS = {"disaggregated": {"Router", "PrefillPool", "DecodePool"}, "colocated": {"Router", "DecodePool"}}

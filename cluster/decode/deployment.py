@@ -12,7 +12,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from cluster import cpu_binding
-from cluster.config import SHUTDOWN_POLL_S, AppConfig
+from cluster.app_config import SHUTDOWN_POLL_S, AppConfig
 from cluster.engine.outputs import StreamStart, TokenDelta
 from cluster.pool_replica import PoolReplica, on_cpu, one_torch_thread
 from cluster.kvtransfer.handoff import PrefillHandoff, PrefillReplicaLost, Receiver

@@ -31,7 +31,7 @@ from collections import Counter
 from typing import Any, AsyncIterator, Sequence
 
 from cluster.autoscaling import BLOCKS_IN_USE, NUM_BLOCKS, REQUESTS
-from cluster.config import AppConfig
+from cluster.app_config import AppConfig
 from cluster.decode.channels import Channels
 from cluster.decode.importer import KVImporter
 from cluster.decode.placement import PlacementInputs, PrefillPoolView, StepCosts, place

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 from ray import serve
 
 from cluster import cpu_binding
-from cluster.config import SHUTDOWN_POLL_S, AppConfig
+from cluster.app_config import SHUTDOWN_POLL_S, AppConfig
 from cluster.kvtransfer.handoff import PrefillHandoff, Receiver
 from cluster.pool_replica import PoolReplica, on_cpu, one_torch_thread
 from cluster.sampling_params import SamplingParams

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 from cluster.autoscaling import QUEUED_TOKENS
 from cluster.cache_report import cache_report
-from cluster.config import AppConfig
+from cluster.app_config import AppConfig
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import LLMEngine
 from cluster.kvtransfer.connectors import create_connector

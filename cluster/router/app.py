@@ -33,7 +33,7 @@ from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
 from cluster import cpu_binding
-from cluster.config import SHUTDOWN_POLL_S, AppConfig
+from cluster.app_config import SHUTDOWN_POLL_S, AppConfig
 from cluster.engine.tokenizer import Tokenizer
 from cluster.models.architecture import Architecture
 from cluster.models.default_model import resolve_model_path

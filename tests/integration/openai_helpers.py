@@ -69,7 +69,7 @@ def serving_stack(model_path: str, engine: dict, client_for=None, app: dict | No
     """A prefill and a decode server (disaggregated), a colocated decode server, and an OpenAI
     server over each pair; `client_for(prefill)`: the decode side's PrefillClient (default:
     LocalPrefillClient). Engine args apply to all three engines, `app`: more app args."""
-    from cluster.config import AppConfig
+    from cluster.app_config import AppConfig
     from cluster.decode.server import DecodeServer
     from cluster.engine.tokenizer import Tokenizer
     from cluster.prefill.server import LocalPrefillClient, PrefillServer

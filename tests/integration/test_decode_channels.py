@@ -19,7 +19,7 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def server(tiny_model_paths):
-    from cluster.config import AppConfig
+    from cluster.app_config import AppConfig
     from cluster.decode.server import DecodeServer
 
     s = DecodeServer(AppConfig.from_args({"model": str(tiny_model_paths["llama"]), "mode": "colocated",

@@ -85,7 +85,7 @@ def test_only_prompts_with_few_uncached_tokens_skip_the_prefill_pool(pools):
 
 
 def test_the_threshold_is_validated_with_the_app_config():
-    from cluster.config import AppConfig
+    from cluster.app_config import AppConfig
 
     for bad in (-1, True, 1.5, "8"):
         with pytest.raises(ValueError, match="max_local_prefill_tokens must be an integer >= 0"):
@@ -126,7 +126,7 @@ def test_with_a_time_budget_a_prompt_is_prefilled_here_when_its_uncached_tokens_
 def test_a_decode_replica_with_a_budget_measures_its_steps_before_its_first_request(tiny_model_paths):
     """Calibration at start: the fit knows a cost per token, and nothing a user could see moved
     (no prompt tokens or prefix-cache figures counted, no throwaway blocks left in the cache)."""
-    from cluster.config import AppConfig
+    from cluster.app_config import AppConfig
     from cluster.decode.server import DecodeServer
 
     args = {"model": str(tiny_model_paths["llama"]), "engine": {"num_blocks": 64},
@@ -146,7 +146,7 @@ def test_a_decode_replica_with_a_budget_measures_its_steps_before_its_first_requ
 
 
 def test_the_budget_is_validated_with_the_app_config():
-    from cluster.config import AppConfig
+    from cluster.app_config import AppConfig
 
     assert AppConfig.from_args({"local_prefill_budget_ms": 25}).local_prefill_budget_ms == 25
     for bad in (-1, True, "8", float("nan"), float("inf")):
@@ -325,7 +325,7 @@ def test_a_prompt_sent_to_the_prefill_pool_counts_in_its_queue_until_a_report_sh
 
 
 def test_the_slos_are_validated_with_the_app_config():
-    from cluster.config import AppConfig
+    from cluster.app_config import AppConfig
 
     assert AppConfig.from_args({"ttft_slo_ms": 800, "itl_slo_ms": 120}).itl_slo_ms == 120
     for name in ("ttft_slo_ms", "itl_slo_ms"):
@@ -335,7 +335,7 @@ def test_the_slos_are_validated_with_the_app_config():
 
 
 def test_prefill_torch_threads_is_validated_with_the_app_config():
-    from cluster.config import AppConfig
+    from cluster.app_config import AppConfig
 
     assert AppConfig.from_args({"prefill_torch_threads": 2}).prefill_torch_threads == 2
     for bad in (0, True, 1.5, "2"):

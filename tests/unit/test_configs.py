@@ -29,7 +29,7 @@ def test_every_serve_config_validates(name):
 def test_one_file_per_connector_and_a_default():
     connectors = {validate_serve_config(CONFIGS / n)[0].kv_transfer.connector
                   for n in SERVE_FILES if n != "colocated.yaml"}
-    from cluster.config import KV_CONNECTORS
+    from cluster.app_config import KV_CONNECTORS
 
     assert connectors == set(KV_CONNECTORS)  # every connector has its own file
     assert validate_serve_config(CONFIGS / "serve.yaml")[0].kv_transfer.connector == "shared_store"

@@ -228,7 +228,7 @@ def test_raising_a_priority_takes_every_thread_or_leaves_them_all_when_refused()
 
 @pytest.mark.parametrize("value", ["yes", 1, None])
 def test_cpu_binding_arg_must_be_a_bool(value):
-    from cluster.config import AppConfig
+    from cluster.app_config import AppConfig
 
     with pytest.raises(ValueError, match="cpu_binding must be true or false"):
         AppConfig.from_args({"cpu_binding": value})

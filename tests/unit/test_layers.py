@@ -16,7 +16,8 @@ CLUSTER = Path(__file__).resolve().parents[2] / "cluster"
 # Lowest first. A module may import its own layer and those below it. Patterns are fnmatch'ed
 # against dotted module names; every module under cluster/ must match exactly one layer.
 LAYERS: list[tuple[str, list[str]]] = [
-    ("plain values", ["cluster.config", "cluster.metrics", "cluster.sampling_params", "cluster.structured_output"]),
+    ("plain values", ["cluster.config", "cluster.app_config", "cluster.metrics", "cluster.sampling_params",
+                      "cluster.structured_output"]),
     ("models", ["cluster.models", "cluster.models.*"]),
     ("engine", ["cluster.engine", "cluster.engine.*"]),
     ("kv transfer: errors, wire format, hand-off types", ["cluster.kvtransfer", "cluster.kvtransfer.errors",

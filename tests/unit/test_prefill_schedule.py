@@ -243,7 +243,8 @@ def test_with_a_ttft_slo_a_prompt_is_not_passed_when_the_pass_alone_makes_it_lat
 
 
 def test_the_prefill_pool_takes_the_apps_ttft_slo():
-    from cluster.config import AppConfig, EngineConfig
+    from cluster.app_config import AppConfig
+    from cluster.config import EngineConfig
 
     app = AppConfig(ttft_slo_ms=2000, itl_slo_ms=150)
     assert app.prefill_engine.scheduler.ttft_slo_ms == 2000

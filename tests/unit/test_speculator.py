@@ -93,7 +93,8 @@ def test_a_request_never_seen_by_the_proposer_drafts_from_its_token_ids():
 def test_speculative_config_takes_vllm_s_keys_and_refuses_others_by_name():
     import pytest
 
-    from cluster.config import AppConfig, EngineConfig, SpeculativeConfig
+    from cluster.app_config import AppConfig
+    from cluster.config import EngineConfig, SpeculativeConfig
 
     cfg = EngineConfig.from_kwargs(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                        "prompt_lookup_max": 4, "prompt_lookup_min": 2})
