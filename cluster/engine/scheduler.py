@@ -180,8 +180,10 @@ class Scheduler:
         """The most tokens of `req`'s prompt, `rest` to go, a step computes: the cap, or under
         `chunk_by_arrivals` the multiple of it the arrivals make worth it (engine/arrivals.py)."""
         cap = self.config.prompt_chunk
-        cost = self._prompt_cost() if self.config.chunk_by_arrivals and req.prefill_only else None
-        if cost is None or rest <= cap:
+        if rest <= cap or not (self.config.chunk_by_arrivals and req.prefill_only):
+            return cap
+        cost = self._prompt_cost()
+        if cost is None:
             return cap
         rate, load = self.arrivals.seen(self.clock(), *cost)
         return chunk_size(rest, cap, self.config.max_num_batched_tokens, *cost, rate, load)
