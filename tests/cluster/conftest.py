@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from serving import SERVE_PORTS
 from serving import free_port
-
-_running: dict[str, int] = {}  # the ports of the Serve now running ({} while none runs)
 
 
 def _start_serve() -> dict[str, int]:
@@ -17,12 +16,12 @@ def _start_serve() -> dict[str, int]:
 
     from cluster.router import grpc_api
 
-    if not _running:
+    if not SERVE_PORTS:
         http_port, grpc_port = free_port(), free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": http_port},
                     grpc_options={"port": grpc_port, "grpc_servicer_functions": [grpc_api.SERVICER]})
-        _running.update(http=http_port, grpc=grpc_port)
-    return _running
+        SERVE_PORTS.update(http=http_port, grpc=grpc_port)
+    return SERVE_PORTS
 
 
 def _delete_every_app() -> None:
@@ -49,10 +48,10 @@ def serve_url(serve_ports):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     yield  # (after the test's fixtures are finalized: the module's apps are gone by now)
-    if _running and (nextitem is None or "serve_ports" not in nextitem.fixturenames):
+    if SERVE_PORTS and (nextitem is None or "serve_ports" not in nextitem.fixturenames):
         import ray
         from ray import serve
 
         if ray.is_initialized():  # (after the session's last test, Ray is already shut down)
             serve.shutdown()
-        _running.clear()
+        SERVE_PORTS.clear()

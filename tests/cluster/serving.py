@@ -15,6 +15,7 @@ from typing import Any, Callable
 import yaml
 
 APP = "tandem"
+SERVE_PORTS: dict[str, int] = {}  # the ports of the Serve now running ({} while none runs; conftest.py)
 
 
 def free_port() -> int:
@@ -65,6 +66,20 @@ def deploy(args: dict[str, Any], faults: bool = False) -> None:
 
     serve.delete(APP)
     serve.run(build_app(args), name=APP, route_prefix="/")
+    wait_routed()
+
+
+def wait_routed(timeout_s: float = 60.0) -> None:
+    """Until the HTTP proxy routes to the app: Serve reports an app healthy before its proxy has
+    learned the new route (on a loaded host, seconds later), and a request sent in between is a
+    404. /health answers without the API key."""
+    if not SERVE_PORTS:
+        return
+    url = f"http://127.0.0.1:{SERVE_PORTS['http']}"
+    deadline = time.monotonic() + timeout_s
+    while (status := http_request(url, "GET", "/health")[0]) != 200:
+        assert time.monotonic() < deadline, f"the proxy never routed /health to the app (last {status})"
+        time.sleep(0.05)
 
 
 def apply_config(config: dict[str, Any]) -> None:
@@ -82,6 +97,8 @@ def fresh(cfg: dict[str, Any], want: dict[str, int], timeout_s: float = 240, set
     serve.delete(APP)
     apply_config(cfg)
     wait_for(lambda: running_replicas(settled) == want, timeout_s, f"replicas {want}")
+    if settled:
+        wait_routed()
 
 
 def running_replicas(settled: bool = True) -> dict[str, int]:
