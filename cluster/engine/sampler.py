@@ -12,9 +12,10 @@ from cluster.engine.structured.constraint import Constraint
 from cluster.engine.outputs import Logprob
 from cluster.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
 
-__all__ = ["Logprob", "SampleResult", "sample", "score_tokens"]
+__all__ = ["Logprob", "SampleResult", "greedy", "sample", "score_tokens"]
 
 _NEG_INF = float("-inf")
+_GREEDY_SPAN = 128  # greedy() on a CPU: each row's maximum found span by span
 _TOP_P_CANDIDATES = (256, 4096)  # then a full sort
 
 
@@ -54,7 +55,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         drafts = None
     if (not (logprob_rows or blocked[0] or biased[0] or penalty_rows or constrained or restricted)
             and all(p.greedy for p in params)):
-        return SampleResult(logits.argmax(dim=-1).tolist(), [None] * num_rows)
+        return SampleResult(greedy(logits).tolist(), [None] * num_rows)
 
     raw_logprobs = torch.log_softmax(logits[_index(logprob_rows, logits)], dim=-1) if logprob_rows else None
     logits = logits.clone()
@@ -71,6 +72,27 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     tokens = _choose(logits, params, generators) if drafts is None else _choose_verifying(logits, params, generators, drafts)
     logprobs = _collect_logprobs(raw_logprobs, logprob_rows, tokens.clamp(min=0), params)  # dead rows: -1
     return SampleResult(tokens.tolist(), logprobs)
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(dim=-1)` for [B, V]: the first index of each row's maximum (NaN counts as
+    the maximum, as in torch). On a CPU torch's argmax is ~8x slower than its max over the same
+    row (7 ms against 0.9 for 64 rows of 49,152 on one AVX-512 core: the tiny model's whole
+    step), so the row's maximum is found span by span, then its index inside the winning span."""
+    rows, vocab = logits.shape
+    spans = vocab // _GREEDY_SPAN
+    if logits.device.type != "cpu" or spans < 2:
+        return logits.argmax(dim=-1)
+    head = logits[:, :spans * _GREEDY_SPAN].view(rows, spans, _GREEDY_SPAN)
+    span_max = head.amax(dim=-1)
+    span = span_max.argmax(dim=-1)  # the first span holding the row's maximum
+    tokens = span * _GREEDY_SPAN + head[torch.arange(rows), span].argmax(dim=-1)
+    if spans * _GREEDY_SPAN < vocab:  # the tail past the last whole span wins only if greater
+        tail_max, tail_at = logits[:, spans * _GREEDY_SPAN:].max(dim=-1)
+        best = span_max.gather(1, span[:, None]).squeeze(1)
+        tail_wins = (tail_max > best) | (tail_max.isnan() & ~best.isnan())
+        tokens = torch.where(tail_wins, tail_at + spans * _GREEDY_SPAN, tokens)
+    return tokens
 
 
 def _index(values: list[int], like: torch.Tensor) -> torch.Tensor:
@@ -201,10 +223,10 @@ def _choose(logits: torch.Tensor, params: Sequence[SamplingParams],
             generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if not random_rows:
-        return logits.argmax(dim=-1)
+        return greedy(logits)
     if len(random_rows) == len(params):
         return _sample_random(logits, params, generators)
-    tokens = logits.argmax(dim=-1)
+    tokens = greedy(logits)
     row_index = _index(random_rows, logits)
     tokens[row_index] = _sample_random(logits[row_index], [params[i] for i in random_rows],
                                        [generators[i] for i in random_rows])
@@ -224,7 +246,7 @@ def _choose_verifying(logits: torch.Tensor, params: Sequence[SamplingParams],
     the token is distributed as p without x, renormalized: norm(max(0, p - q)). So the output is
     distributed as the target's under every sampling option, and a seeded request makes one
     draw per emitted token, in order: its tokens are those it gets without speculation."""
-    tokens = logits.argmax(dim=-1)  # greedy rows (dead ones too: harmless, never accepted)
+    tokens = greedy(logits)  # greedy rows (dead ones too: harmless, never accepted)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if not random_rows:
         return tokens

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.engine.sampler import Logprob, sample
+from cluster.engine.sampler import Logprob, greedy, sample
 from cluster.sampling_params import SamplingParams
 
 EOS = 3
@@ -36,6 +36,27 @@ def test_greedy_is_argmax_and_leaves_logits_untouched():
     assert result.token_ids == logits.argmax(-1).tolist()
     assert result.logprobs == [None] * 16
     assert torch.equal(logits, before)
+
+
+@pytest.mark.parametrize("vocab", [49152, 32000, 50257, 130, 200, 127, 1])
+def test_greedy_picks_the_first_maximum_like_argmax_in_every_row(vocab):
+    """A row's token under temperature 0 is torch's argmax: the first of tied maxima (here in
+    another span than a later tie, or in the tail past the last whole span), a NaN over any
+    number, an all -inf row's first index."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(9, vocab, generator=g)
+    ties = torch.randint(0, vocab, (4,), generator=g).sort().values
+    logits[1, ties] = 50.0  # tied maxima: the first one wins
+    logits[2, -1] = 50.0  # the last token (the tail when the vocab is not whole spans)
+    logits[3, [vocab // 2, -1]] = 50.0  # tied between a span and the tail: the span's
+    logits[4, vocab // 3] = float("nan")
+    logits[5] = float("-inf")
+    logits[6, [0, -1]] = float("nan")
+    logits[7, -1] = float("nan")
+    want = torch.argmax(logits, dim=-1)
+    assert greedy(logits).tolist() == want.tolist()
+    assert greedy(logits[:1]).tolist() == want[:1].tolist()
+
 
 
 @pytest.mark.parametrize("params", [SamplingParams(top_k=1), SamplingParams(top_p=1e-6),

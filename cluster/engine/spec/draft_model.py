@@ -24,6 +24,7 @@ import torch
 
 from cluster.config import SpeculativeConfig
 from cluster.engine.model_runner import ModelRunner
+from cluster.engine.sampler import greedy
 from cluster.engine.step_plan import ScheduledChunk
 from cluster.engine.spec.base import Proposer
 from cluster.engine.tokenizer import Tokenizer
@@ -69,7 +70,7 @@ class DraftModelProposer(Proposer):
                 chunks.append(ScheduledChunk(req, last, 1, (made[-1],)) if made else ScheduledChunk(req, last, 1))
             logits = self.runner.compute(chunks)
             assert logits is not None
-            for i, token in zip(active, logits.argmax(dim=-1).tolist()):
+            for i, token in zip(active, greedy(logits).tolist()):
                 drafts[i].append(token)
             active = [i for i in active if len(drafts[i]) < limits[i]]
         return drafts
