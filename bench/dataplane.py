@@ -119,7 +119,10 @@ def engine_alone(args: dict[str, Any], model: Path, streams: list[int], tokens: 
         produced = 0
         while engine.has_unfinished_requests():
             produced += sum(len(o.outputs[0].delta_token_ids) for o in engine.step())
+            steps[0] += 1
         return produced
+
+    steps = [0]
 
     out = {}
     for n in streams:
@@ -127,11 +130,12 @@ def engine_alone(args: dict[str, Any], model: Path, streams: list[int], tokens: 
         run(prompts[:8])  # warm-up
         runs = []
         for _ in range(repeats):
-            wall, cpu = time.perf_counter(), time.process_time()
+            wall, cpu, steps[0] = time.perf_counter(), time.process_time(), 0
             produced = run(prompts)
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
             runs.append({"tokens": produced, "wall_s": round(wall, 2), "tok_s": round(produced / wall, 1),
-                         "cpu_s_per_1k_tokens": round(cpu / produced * 1e3, 4)})
+                         "cpu_s_per_1k_tokens": round(cpu / produced * 1e3, 4),
+                         "tokens_per_step": round(produced / steps[0], 1)})
         out[str(n)] = median_run(runs)
         log(f"engine alone, {n} streams: {json.dumps(out[str(n)])}")
     del engine  # its KV cache and CUDA graphs: give the GPU's memory back to the replicas
@@ -161,6 +165,20 @@ def _role(pid: int) -> str:
         if key in cmd:
             return role
     return "ray_other"
+
+
+def thread_seconds(pid: int) -> dict[str, float]:
+    """A process's CPU seconds by thread name (/proc/PID/task/*/comm, 15 characters; threads of
+    one name summed): the decode replica's engine thread against its event loop and Ray's."""
+    out: dict[str, float] = {}
+    for tid in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else []:
+        try:
+            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / TICK
+    return out
 
 
 def ray_processes() -> dict[int, str]:
@@ -241,6 +259,9 @@ def measure_load(urls: list[str], model: str, streams: int, tokens: int, profile
     if client.stdout.readline().strip() != "ready":
         raise RuntimeError(f"the client failed to start ({client.wait()})")
     pids = ray_processes()
+    steps_before = decode_steps(urls[0])
+    decode_pids = [p for p, role in pids.items() if role == "decode"]
+    threads_before = {p: thread_seconds(p) for p in decode_pids}
     spies = [] if profile is None else [
         subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "-p", str(pid), "-r", "50", "-f", "raw",
                           "--threads", "--nonblocking", "-o", str(profile / f"{streams}-{role}-{pid}.txt")],
@@ -252,6 +273,10 @@ def measure_load(urls: list[str], model: str, streams: int, tokens: int, profile
     client.stdin.flush()
     line = client.stdout.readline()
     after, busy, wall = cpu_seconds(pids), machine_busy_s() - busy, time.perf_counter() - wall
+    threads: dict[str, float] = {}
+    for p in decode_pids:
+        for name, sec in thread_seconds(p).items():
+            threads[name] = threads.get(name, 0.0) + sec - threads_before[p].get(name, 0.0)
     for spy in spies:
         spy.send_signal(signal.SIGINT)
         spy.wait(timeout=60)
@@ -259,6 +284,9 @@ def measure_load(urls: list[str], model: str, streams: int, tokens: int, profile
         raise RuntimeError(f"the client failed ({client.returncode})")
     summary = json.loads(line)
     tokens_out = summary["completion_tokens"] or 1
+    # the first token of each request is the prefill's (one more step on a colocated replica)
+    decoded, steps = tokens_out - summary["requests"], decode_steps(urls[0], fresh=True) - steps_before
+    summary["decode_tokens_per_step"] = round(decoded / steps, 1) if steps > 0 else None
     per_role: dict[str, float] = {}
     for p, role in pids.items():
         if p in before and p in after:
@@ -266,9 +294,25 @@ def measure_load(urls: list[str], model: str, streams: int, tokens: int, profile
     per_role["client"] = summary.pop("client_cpu_s")
     per_1k = {role: round(s / tokens_out * 1e3, 4) for role, s in sorted(per_role.items())}
     per_1k["total"] = round(sum(per_role.values()) / tokens_out * 1e3, 4)
-    return {**summary, "cpu_s_per_1k_tokens": per_1k,
+    by_thread = {name: round(sec / tokens_out * 1e3, 4) for name, sec in sorted(threads.items(), key=lambda x: -x[1])
+                 if sec > 0}
+    return {**summary, "cpu_s_per_1k_tokens": per_1k, "decode_threads_cpu_s_per_1k_tokens": by_thread,
             "processes": {role: sum(1 for r in pids.values() if r == role) for role in sorted(set(pids.values()))},
             "machine_busy_cores": round(busy / wall, 2)}
+
+
+def decode_steps(url: str, fresh: bool = False) -> int:
+    """Engine steps so far, summed over the decode replicas, from /debug/stats; `fresh`: once each
+    has posted after this call (replicas post every 0.5 s)."""
+    import urllib.request
+
+    since, deadline = time.time(), time.monotonic() + 5
+    while True:
+        with urllib.request.urlopen(f"{url}/debug/stats", timeout=10) as r:
+            decode = [s for s in json.load(r)["replicas"] if s.get("pool") == "decode"]
+        if not fresh or all(s.get("posted_at", 0) > since for s in decode) or time.monotonic() > deadline:
+            return sum(s.get("steps", 0) for s in decode)
+        time.sleep(0.1)
 
 
 def stream_paths(url: str) -> dict[str, float]:
