@@ -21,6 +21,10 @@ a step costs little and the path each token takes after the engine is what is me
             of --repeats runs (3): one load lasts seconds, and this machine's speed moves by more
             than that between minutes (engine alone at 64 streams: 4,185 then 4,896 tok/s in two
             runs of 2026-11-28); every run's tok/s is kept beside the median's figures
+  beside    on CPU, the engine alone also runs right before each load, in this process while the
+            app idles: `delivered_vs_engine_beside` is the median of those pairs' ratios, which
+            the drift between minutes moves less (7,450 to 11,440 tok/s within ten minutes on
+            2026-11-30)
 
 `--serve-env` sets variables for the whole local Ray (proxy and replicas inherit them), e.g.
 RAY_SERVE_THROUGHPUT_OPTIMIZED=1; `--routers` the Router deployment's replicas.
@@ -101,47 +105,58 @@ def median_run(runs: list[dict[str, Any]], key: str = "tok_s") -> dict[str, Any]
 
 
 # -- the engine alone ------------------------------------------------------------------
-def engine_alone(args: dict[str, Any], model: Path, streams: list[int], tokens: int,
-                 repeats: int = 1) -> dict[str, Any]:
-    import torch
+class EngineAlone:
+    """LLMEngine alone in this process, one thread, with the cluster's engine args: N streams of
+    T tokens (ignore_eos, greedy) added at once, stepped until done."""
 
-    from cluster.app_config import AppConfig
-    from cluster.engine.engine import LLMEngine
-    from cluster.sampling_params import SamplingParams
+    def __init__(self, args: dict[str, Any], model: Path, tokens: int) -> None:
+        import torch
 
-    torch.set_num_threads(1)
-    engine = LLMEngine(AppConfig.from_args(args).engine)
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+        from cluster.app_config import AppConfig
+        from cluster.engine.engine import LLMEngine
+        from cluster.sampling_params import SamplingParams
 
-    def run(prompts: list[list[int]]) -> int:
+        torch.set_num_threads(1)
+        self.engine = LLMEngine(AppConfig.from_args(args).engine)
+        self.params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+        self.model, self.tokens = model, tokens
+        self.prompts: dict[int, list[list[int]]] = {}
+
+    def run(self, n: int) -> dict[str, Any]:
+        """One run of N streams: tokens, wall, tok/s, CPU s per 1k tokens, tokens per step."""
+        if n not in self.prompts:
+            self.prompts[n] = chat_prompts(self.model, n, Workload(f"streams{n}", n, n, self.tokens))
+            self._generate(self.prompts[n][:8])  # warm-up
+        wall, cpu = time.perf_counter(), time.process_time()
+        produced, steps = self._generate(self.prompts[n])
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        return {"tokens": produced, "wall_s": round(wall, 2), "tok_s": round(produced / wall, 1),
+                "cpu_s_per_1k_tokens": round(cpu / produced * 1e3, 4), "tokens_per_step": round(produced / steps, 1)}
+
+    def _generate(self, prompts: list[list[int]]) -> tuple[int, int]:
         for i, p in enumerate(prompts):
-            engine.add_request(f"e{time.perf_counter_ns()}-{i}", p, params)
-        produced = 0
-        while engine.has_unfinished_requests():
-            produced += sum(len(o.outputs[0].delta_token_ids) for o in engine.step())
-            steps[0] += 1
-        return produced
+            self.engine.add_request(f"e{time.perf_counter_ns()}-{i}", p, self.params)
+        produced = steps = 0
+        while self.engine.has_unfinished_requests():
+            produced += sum(len(o.outputs[0].delta_token_ids) for o in self.engine.step())
+            steps += 1
+        return produced, steps
 
-    steps = [0]
+    def close(self) -> None:
+        """Its KV cache and CUDA graphs: the GPU's memory back to the replicas."""
+        import torch
 
+        del self.engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def engine_alone(alone: EngineAlone, streams: list[int], repeats: int = 1) -> dict[str, Any]:
     out = {}
     for n in streams:
-        prompts = chat_prompts(model, n, Workload(f"streams{n}", n, n, tokens))
-        run(prompts[:8])  # warm-up
-        runs = []
-        for _ in range(repeats):
-            wall, cpu, steps[0] = time.perf_counter(), time.process_time(), 0
-            produced = run(prompts)
-            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-            runs.append({"tokens": produced, "wall_s": round(wall, 2), "tok_s": round(produced / wall, 1),
-                         "cpu_s_per_1k_tokens": round(cpu / produced * 1e3, 4),
-                         "tokens_per_step": round(produced / steps[0], 1)})
-        out[str(n)] = median_run(runs)
+        out[str(n)] = median_run([alone.run(n) for _ in range(repeats)])
         log(f"engine alone, {n} streams: {json.dumps(out[str(n)])}")
-    del engine  # its KV cache and CUDA graphs: give the GPU's memory back to the replicas
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
     return out
 
 
@@ -330,7 +345,8 @@ def stream_paths(url: str) -> dict[str, float]:
 
 def cluster(system: str, args: dict[str, Any], model: Path, streams: list[int], tokens: int,
             routers: int, url: str, profile: Path | None, direct: bool, num_gpus: float = 0.0,
-            repeats: int = 1) -> dict[str, Any]:
+            repeats: int = 1, alone: EngineAlone | None = None) -> dict[str, Any]:
+    """The system's loads, each run right after a run of the engine alone (`alone`) when given."""
     from cluster.serve_config import load_yaml
 
     config = SYSTEMS[system]
@@ -357,8 +373,18 @@ def cluster(system: str, args: dict[str, Any], model: Path, streams: list[int], 
             spy_dir = None
             if profile is not None:
                 (spy_dir := profile / system).mkdir(parents=True, exist_ok=True)
-            out[str(s)] = median_run([measure_load(urls, model.name, s, tokens, spy_dir) for _ in range(repeats)],
-                                     "out_tok_s")
+            runs = []
+            for _ in range(repeats):
+                beside = alone.run(s) if alone is not None else None  # this minute's engine alone
+                runs.append(measure_load(urls, model.name, s, tokens, spy_dir))
+                if beside is not None:
+                    runs[-1]["engine_alone_beside_tok_s"] = beside["tok_s"]
+                    runs[-1]["vs_engine_beside"] = round(runs[-1]["out_tok_s"] / beside["tok_s"], 3)
+            out[str(s)] = median_run(runs, "out_tok_s")
+            if alone is not None:
+                pairs = [r["vs_engine_beside"] for r in runs]
+                out[str(s)]["vs_engine_beside_runs"] = pairs
+                out[str(s)]["vs_engine_beside_median"] = sorted(pairs)[(len(pairs) - 1) // 2]
             out[str(s)]["token_streams"] = stream_paths(url)
             log(f"{system}, {s} streams: {json.dumps(out[str(s)])}")
     return out
@@ -416,20 +442,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         result["machine"]["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
         result["num_gpus_per_replica"] = args.num_gpus
     with stdout_for_json_only():
-        if not args.skip_engine:
-            result["engine_alone"] = engine_alone(base, model, streams, args.tokens, args.repeats)
+        alone = None if args.skip_engine else EngineAlone(base, model, args.tokens)
+        if alone is not None:
+            result["engine_alone"] = engine_alone(alone, streams, args.repeats)
+            if args.num_gpus:  # not beside the replicas: they need the GPU's memory
+                alone.close()
+                alone = None
         systems: dict[str, Any] = {}
         with local_ray(os.cpu_count() or 2, num_gpus=1 if args.num_gpus else None) as url:
             for system in args.systems.split(","):
                 systems[system] = cluster(system, app_args(SYSTEMS[system], model, max(streams), engine_over), model,
                                           streams, args.tokens, args.routers, url,
                                           Path(args.profile) if args.profile else None, args.direct, args.num_gpus,
-                                          args.repeats)
+                                          args.repeats, alone)
     result["systems"] = systems
     if "engine_alone" in result:
         result["delivered_vs_engine"] = {
             system: {s: round(r[s]["out_tok_s"] / result["engine_alone"][s]["tok_s"], 3) for s in map(str, streams)}
             for system, r in systems.items()}
+        if not args.num_gpus:
+            result["delivered_vs_engine_beside"] = {
+                system: {s: r[s]["vs_engine_beside_median"] for s in map(str, streams)} for system, r in systems.items()}
         result["target"] = TARGET
     return emit(result, args.out)
 
