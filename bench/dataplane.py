@@ -56,13 +56,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cluster.loadgen import Workload, prompt_for, run_workload  # noqa: E402
 from local_cluster import ROOT, deployed, emit, local_ray, stdout_for_json_only  # noqa: E402
+from proc_cpu import cpu_seconds, machine_busy_s, ray_processes, thread_seconds  # noqa: E402
 from serve import machine, wait_http  # noqa: E402
 
 SYSTEMS = {"disaggregated": "configs/serve.yaml", "colocated": "configs/colocated.yaml"}
 TINY = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
             num_key_value_heads=1)
 TARGET = 0.8
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 def log(msg: str) -> None:
@@ -160,65 +160,6 @@ def engine_alone(alone: EngineAlone, streams: list[int], repeats: int = 1) -> di
     return out
 
 
-# -- CPU per process, from /proc -------------------------------------------------------
-def _stat(pid: int) -> tuple[int, float] | None:
-    """(parent pid, utime + stime in seconds)"""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return int(fields[1]), (int(fields[11]) + int(fields[12])) / TICK
-
-
-def _role(pid: int) -> str:
-    try:
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return "gone"
-    for key, role in (("ProxyActor", "proxy"), (":Router", "router"), (":DecodePool", "decode"),
-                      (":PrefillPool", "prefill"), ("ServeController", "controller")):
-        if key in cmd:
-            return role
-    return "ray_other"
-
-
-def thread_seconds(pid: int) -> dict[str, float]:
-    """A process's CPU seconds by thread name (/proc/PID/task/*/comm, 15 characters; threads of
-    one name summed): the decode replica's engine thread against its event loop and Ray's."""
-    out: dict[str, float] = {}
-    for tid in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else []:
-        try:
-            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
-            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / TICK
-    return out
-
-
-def ray_processes() -> dict[int, str]:
-    """pid → role for every process of this session's Ray: its daemons and their descendants."""
-    import ray
-
-    node = ray._private.worker._global_node
-    roots = {info.process.pid for infos in node.all_processes.values() for info in infos if info.process}
-    parent = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (st := _stat(int(entry))) is not None:
-            parent[int(entry)] = st[0]
-    ours = set(roots)
-    changed = True
-    while changed:
-        new = {p for p, pp in parent.items() if pp in ours and p not in ours}
-        ours |= new
-        changed = bool(new)
-    return {p: _role(p) for p in ours}
-
-
-def cpu_seconds(pids: dict[int, str]) -> dict[int, float]:
-    return {p: st[1] for p in pids if (st := _stat(p)) is not None}
-
-
 def direct_urls() -> list[str]:
     """The router replicas' own HTTP listeners (Serve's direct ingress: a port each, in its range)."""
     from ray.serve._private.constants import (RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT as hi,
@@ -242,12 +183,6 @@ def direct_urls() -> list[str]:
         raise RuntimeError(f"found {len(ports)} direct-ingress ports for {len(routers)} router replicas "
                            "(is RAY_SERVE_THROUGHPUT_OPTIMIZED=1 set via --serve-env?)")
     return [f"http://127.0.0.1:{p}" for p in sorted(ports)]
-
-
-def machine_busy_s() -> float:
-    """CPU seconds the whole machine has been busy (every core, every process)."""
-    user, nice, system, idle, iowait, irq, softirq, steal = map(int, Path("/proc/stat").read_text().split()[1:9])
-    return (user + nice + system + irq + softirq + steal) / TICK
 
 
 # -- the client, in a process of its own (its CPU is its own) --------------------------
