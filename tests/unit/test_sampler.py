@@ -58,7 +58,6 @@ def test_greedy_picks_the_first_maximum_like_argmax_in_every_row(vocab):
     assert greedy(logits[:1]).tolist() == want[:1].tolist()
 
 
-
 @pytest.mark.parametrize("params", [SamplingParams(top_k=1), SamplingParams(top_p=1e-6),
                                     SamplingParams(min_p=1.0), SamplingParams(temperature=1e-4)])
 def test_narrow_filters_reduce_to_greedy(params):
