@@ -23,7 +23,6 @@ concurrent request. A system that fails is recorded as failed and the run goes o
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
@@ -36,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cluster.goodput import Slo, goodput_summary, poisson_offsets, run_open_loop  # noqa: E402
-from cluster.loadgen import WORKLOADS, Workload, run_workload  # noqa: E402
+from cluster.loadgen import WORKLOADS, Workload, run_load, run_workload  # noqa: E402
 from cluster.sharegpt import Caps, Request, load_exchanges, sample_requests  # noqa: E402
 from local_cluster import deployed, emit, local_ray, stdout_for_json_only  # noqa: E402
 from servers import (MODEL_NAME, llama_server_binary, llamacpp_server, machine, vllm_server, wait_http,  # noqa: E402
@@ -105,7 +104,7 @@ def measure(url: str, plan: Plan, replicas: int) -> dict[str, Any]:
     warm_up(url, replicas)
     rates = []
     for rate, reqs, offsets in zip(plan.rates, plan.requests, plan.offsets):
-        samples, wall = asyncio.run(run_open_loop(url, MODEL_NAME, [(r.prompt, r.max_tokens) for r in reqs], offsets,
+        samples, wall = run_load(run_open_loop(url, MODEL_NAME, [(r.prompt, r.max_tokens) for r in reqs], offsets,
                                                   max_concurrency=plan.max_concurrency))
         rates.append({"rate_rps": rate, "offered_s": round(offsets[-1], 1),
                       "prompt_tokens_mean": round(sum(r.prompt_tokens for r in reqs) / len(reqs), 1),
@@ -114,7 +113,7 @@ def measure(url: str, plan: Plan, replicas: int) -> dict[str, Any]:
         log(f"  sharegpt @ {rate} req/s: {json.dumps(rates[-1])}")
     out: dict[str, Any] = {"model": MODEL_NAME, "sharegpt": rates}
     if plan.mixed is not None:
-        summary, samples = asyncio.run(run_workload(url, MODEL_NAME, plan.mixed, keep_alive=False))
+        summary, samples = run_load(run_workload(url, MODEL_NAME, plan.mixed, keep_alive=False))
         out["mixed"] = {**goodput_summary(samples, summary["wall_s"], plan.slo),
                         **({"ttft_long_ms": summary["ttft_long_ms"]} if "ttft_long_ms" in summary else {}),
                         "concurrency": plan.mixed.concurrency, "max_tokens": plan.mixed.max_tokens}

@@ -31,7 +31,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cluster.loadgen import percentile, sse_chunks  # noqa: E402
+from cluster.loadgen import percentile, run_load, sse_chunks  # noqa: E402
 from local_cluster import deployed, emit, local_ray, stdout_for_json_only  # noqa: E402
 from serve import MODEL_NAME, log, machine, wait_http  # noqa: E402
 
@@ -113,9 +113,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             log(f"{name}: deploying configs/serve.yaml, 2 prefill replicas, prefix_aware_routing={aware}")
             with deployed("configs/serve.yaml", {"prefix_aware_routing": aware}, POOLS):
                 wait_http(f"{url}/health", 120)
-                asyncio.run(conversations(url, 2, 1, 4))  # warm-up, not measured
+                run_load(conversations(url, 2, 1, 4))  # warm-up, not measured
                 start = time.perf_counter()
-                runs = asyncio.run(conversations(url, args.conversations, args.turns, args.max_tokens))
+                runs = run_load(conversations(url, args.conversations, args.turns, args.max_tokens))
                 systems[name] = summarize(runs, time.perf_counter() - start)
                 log(f"  {json.dumps(systems[name])}")
     a, b = systems["prefix_aware"], systems["load_only"]

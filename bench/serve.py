@@ -22,7 +22,6 @@ each workload's requests (same concurrency): steadier figures on a noisy machine
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
@@ -33,7 +32,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cluster.loadgen import DEFAULT_WORKLOADS, WORKLOADS, Workload, run_workload  # noqa: E402
+from cluster.loadgen import DEFAULT_WORKLOADS, WORKLOADS, Workload, run_load, run_workload  # noqa: E402
 from local_cluster import deployed, emit, local_ray, replica_stats, stdout_for_json_only  # noqa: E402
 from servers import MODEL_NAME, machine, vllm_server, wait_http, warm_up  # noqa: E402
 from servers import log as _log  # noqa: E402
@@ -61,7 +60,7 @@ def measure(url: str, workloads: list[Workload], replicas: int) -> dict[str, Any
     results = {}
     for w in workloads:
         log(f"  {w.name}: {w.num_requests} requests, {w.concurrency} at a time")
-        results[w.name], _ = asyncio.run(run_workload(url, MODEL_NAME, w))
+        results[w.name], _ = run_load(run_workload(url, MODEL_NAME, w))
         log(f"    {json.dumps(results[w.name])}")
     return results
 

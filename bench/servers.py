@@ -3,7 +3,6 @@ wait for a server to answer, the unmeasured warm-up every system gets, and the m
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import platform
@@ -16,7 +15,7 @@ from typing import Any, Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cluster.loadgen import Workload, run_workload  # noqa: E402
+from cluster.loadgen import Workload, run_load, run_workload  # noqa: E402
 from local_cluster import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +45,7 @@ def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) 
 def warm_up(url: str, replicas: int) -> None:
     """One short and one long request per replica, not measured."""
     warm = Workload("warmup", num_requests=2 * replicas, concurrency=2 * replicas, max_tokens=8, long_every=2)
-    summary, _ = asyncio.run(run_workload(url, MODEL_NAME, warm, keep_alive=False))
+    summary, _ = run_load(run_workload(url, MODEL_NAME, warm, keep_alive=False))
     if summary["errors"]:
         raise RuntimeError(f"warm-up failed: {summary}")
 

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import aiohttp  # noqa: E402
 
-from cluster.loadgen import WORKLOADS, prompt_for, sse_chunks  # noqa: E402
+from cluster.loadgen import WORKLOADS, prompt_for, run_load, sse_chunks  # noqa: E402
 from local_cluster import deployed, local_ray, replica_stats, stdout_for_json_only  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -110,11 +110,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--args", type=json.loads, default={}, help="app args over the config's, as a JSON object")
     args = p.parse_args(argv)
     with stdout_for_json_only(), local_ray(args.cpus) as url, deployed(args.config, args.args):
-        asyncio.run(drive(url, 20, 4))  # warm-up, not counted
+        run_load(drive(url, 20, 4))  # warm-up, not counted
         time.sleep(6)  # the stats board's staleness window: only live replicas from here on
         start = snapshot(url)
         t0 = time.monotonic()
-        tally = asyncio.run(drive(url, args.minutes * 60, args.concurrency))
+        tally = run_load(drive(url, args.minutes * 60, args.concurrency))
         wall = time.monotonic() - t0
         time.sleep(6)  # hang-ups and leases settle; the board catches up
         end = snapshot(url)

@@ -220,13 +220,11 @@ def header(args: argparse.Namespace, workloads: list[Workload], sweep: list[Work
 
 def bench_system(name: str, system: dict[str, Any], warmup: Workload, workloads: list[Workload],
                  sweep: list[Workload], api_key: str | None, bar: Any, on_done: Callable[[Sample], None]) -> None:
-    import asyncio
-
-    from cluster.loadgen import run_workload
+    from cluster.loadgen import run_load, run_workload
 
     def measure(w: Workload) -> tuple[dict[str, Any], list[Sample]]:
         bar.set_description(f"{name}: {w.name}")
-        return asyncio.run(run_workload(system["url"], system["model"], w, api_key=api_key, on_done=on_done))
+        return run_load(run_workload(system["url"], system["model"], w, api_key=api_key, on_done=on_done))
 
     summary, samples = measure(warmup)
     if summary["errors"] == summary["requests"]:

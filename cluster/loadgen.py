@@ -19,9 +19,12 @@ import json
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Coroutine, TypeVar
 
 import aiohttp
+import uvloop
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,13 @@ class Sample:
     @property
     def itls_s(self) -> list[float]:
         return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
+
+
+def run_load(load: Coroutine[Any, Any, T]) -> T:
+    """Run a load to the end on uvloop, the loop Serve's own processes run. The client shares
+    the cores with the server it measures, and on asyncio's default loop it spent ~1.6x the CPU
+    per chunk (64 streams through the tiny model's app, 2026-11-30: 0.047 against 0.029 ms)."""
+    return uvloop.run(load)
 
 
 async def sse_chunks(response: aiohttp.ClientResponse) -> AsyncIterator[tuple[float, dict[str, Any]]]:

@@ -152,12 +152,11 @@ def test_an_unreachable_url_fails_fast_naming_it(tmp_path, capsys):
 
 def test_long_prompts_are_new_to_the_server_on_every_run():
     """A prefix cache must not skip the mixed workload's long prompts: not within a run, not after
-    a warm-up or an earlier run (the client records what a minimal SSE server received)."""
-    import asyncio
-
+    a warm-up or an earlier run (the client records what a minimal SSE server received), on the
+    loop the benches run their loads on."""
     from aiohttp import web
 
-    from cluster.loadgen import Workload, run_workload
+    from cluster.loadgen import Workload, run_load, run_workload
 
     async def two_runs() -> list[list[str]]:
         seen: list[str] = []
@@ -190,7 +189,7 @@ def test_long_prompts_are_new_to_the_server_on_every_run():
             await runner.cleanup()
         return runs
 
-    first, second = asyncio.run(two_runs())
+    first, second = run_load(two_runs())
     long_first = [p for p in first if len(p.split()) > 500]
     long_second = [p for p in second if len(p.split()) > 500]
     assert len(long_first) == len(long_second) == 2
