@@ -12,11 +12,13 @@ a step costs little and the path each token takes after the engine is what is me
             T tokens (ignore_eos) added at once; tok/s and the process's CPU s per 1k tokens
   cluster   configs/serve.yaml (disaggregated) and configs/colocated.yaml on a local Ray
             (num_cpus 2), the tiny model, max_num_seqs N; N concurrent streaming chat requests
-            of T tokens from one client process on the same cores (cluster/loadgen.py: aiohttp,
-            raw SSE split): delivered tok/s, tokens per chunk, ITL p50/p99 (gap between chunks
-            carrying text), and per process CPU s per 1k delivered tokens (utime + stime from
-            /proc/PID/stat around the load): Serve's proxy, router, decode and prefill replicas,
-            Serve's controller, the rest of Ray (raylet, GCS, stats board), the client
+            of T tokens from one client process on the same cores (cluster/loadgen.py: aiohttp
+            on uvloop, raw SSE split): delivered tok/s, tokens per chunk, ITL p50/p99 (gap
+            between chunks carrying text), and per process CPU s per 1k delivered tokens (utime
+            + stime from /proc/PID/stat around the load): Serve's proxy, router, decode and
+            prefill replicas, Serve's controller, the rest of Ray (raylet, GCS, stats board), the
+            client; and how many cores a decode replica's process and its engine thread kept
+            busy (its Python threads share one GIL and one core: the process near 1.0 is the limit)
   ratio     delivered / engine alone at the same N (issue 32's target: >= 0.8), each the median
             of --repeats runs (3): one load lasts seconds, and this machine's speed moves by more
             than that between minutes (engine alone at 64 streams: 4,185 then 4,896 tok/s in two
@@ -38,7 +40,6 @@ default model instead of the tiny one.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import gc
 import json
@@ -54,7 +55,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cluster.loadgen import Workload, prompt_for, run_workload  # noqa: E402
+from cluster.loadgen import Workload, prompt_for, run_load, run_workload  # noqa: E402
 from local_cluster import ROOT, deployed, emit, local_ray, stdout_for_json_only  # noqa: E402
 from proc_cpu import cpu_seconds, machine_busy_s, ray_processes, thread_seconds  # noqa: E402
 from serve import machine, wait_http  # noqa: E402
@@ -192,7 +193,7 @@ def client_main(urls: list[str], model: str, streams: int, tokens: int) -> None:
     print("ready", flush=True)
     sys.stdin.readline()
     before = resource.getrusage(resource.RUSAGE_SELF)
-    summary, _ = asyncio.run(run_workload(urls, model, workload))
+    summary, _ = run_load(run_workload(urls, model, workload))
     after = resource.getrusage(resource.RUSAGE_SELF)
     summary["client_cpu_s"] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     print(json.dumps(summary), flush=True)
@@ -248,7 +249,11 @@ def measure_load(urls: list[str], model: str, streams: int, tokens: int, profile
                  if sec > 0}
     return {**summary, "cpu_s_per_1k_tokens": per_1k, "decode_threads_cpu_s_per_1k_tokens": by_thread,
             "processes": {role: sum(1 for r in pids.values() if r == role) for role in sorted(set(pids.values()))},
-            "machine_busy_cores": round(busy / wall, 2)}
+            "machine_busy_cores": round(busy / wall, 2),
+            # per decode replica: one process, whose Python threads share one GIL
+            "decode_busy_cores": {"process": round(per_role.get("decode", 0.0) / len(decode_pids) / wall, 2),
+                                  "engine_thread": round(threads.get("tandem-engine", 0.0) / len(decode_pids) / wall, 2)}
+            if decode_pids else None}
 
 
 def decode_steps(url: str, fresh: bool = False) -> int:
@@ -299,7 +304,7 @@ def cluster(system: str, args: dict[str, Any], model: Path, streams: list[int], 
     with deployed(config, args, pools):
         wait_http(f"{url}/health", 120)
         warm = Workload("warmup", num_requests=8, concurrency=8, max_tokens=16)
-        summary, _ = asyncio.run(run_workload(url, model.name, warm))
+        summary, _ = run_load(run_workload(url, model.name, warm))
         if summary["errors"]:
             raise RuntimeError(f"warm-up failed: {summary}")
         urls = direct_urls() if direct else [url]
