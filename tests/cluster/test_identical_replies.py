@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from serving import shipped_args, args_of, client, deploy, in_float32, replica_stats, scrape, total
+from serving import shipped_args, args_of, client, deploy, in_float32, replica_stats, scrape, small_kv, total
 
 pytestmark = pytest.mark.slow
 
@@ -97,7 +97,7 @@ def test_greedy_identical_colocated_and_every_connector(serve_url, default_model
     Also configs/serve.yaml as shipped (its shared_store connector; ITL_SLO_MS) with ngram
     speculation, placement by SLO on: the same replies wherever each prompt was computed, and a
     short prompt sent alone is prefilled on its decode replica (sooner than a trip through the
-    pool), as its trace shows.
+    pool), as its trace shows. Every deploy here holds a 128 MiB KV cache (`small_kv`).
     Each app gets its requests all at once, as clients send them. Every
     connector runs with speculative decoding on (a method each), and colocated with it too: the
     same replies as colocated without it. The default model as its own draft over the
@@ -108,11 +108,12 @@ def test_greedy_identical_colocated_and_every_connector(serve_url, default_model
         if name in SPECULATING:
             file, spec = SPECULATING[name]
             spec = {**spec, "model": str(default_model_path)} if "model" in spec else spec
-            deploy(in_float32({**args_of(file), "speculative_config": spec}))
+            deploy(small_kv(in_float32({**args_of(file), "speculative_config": spec})))
         elif name == budget:
-            deploy(in_float32({**shipped_args("serve.yaml"), "speculative_config": NGRAM, "itl_slo_ms": ITL_SLO_MS}))
+            deploy(small_kv(in_float32({**shipped_args("serve.yaml"), "speculative_config": NGRAM,
+                                        "itl_slo_ms": ITL_SLO_MS})))
         else:
-            deploy(in_float32(args_of(name)))
+            deploy(small_kv(in_float32(args_of(name))))
         speculating = name != "colocated.yaml"
         c = client(serve_url)
         model = c.models.list().data[0].id
