@@ -247,13 +247,13 @@ def measure_load(urls: list[str], model: str, streams: int, tokens: int, profile
     per_1k["total"] = round(sum(per_role.values()) / tokens_out * 1e3, 4)
     by_thread = {name: round(sec / tokens_out * 1e3, 4) for name, sec in sorted(threads.items(), key=lambda x: -x[1])
                  if sec > 0}
+    per_replica = len(decode_pids) * wall  # a decode replica: one process, its threads on one GIL
+    decode_busy = None if not decode_pids else {
+        "process": round(per_role.get("decode", 0.0) / per_replica, 2),
+        "engine_thread": round(threads.get("tandem-engine", 0.0) / per_replica, 2)}
     return {**summary, "cpu_s_per_1k_tokens": per_1k, "decode_threads_cpu_s_per_1k_tokens": by_thread,
             "processes": {role: sum(1 for r in pids.values() if r == role) for role in sorted(set(pids.values()))},
-            "machine_busy_cores": round(busy / wall, 2),
-            # per decode replica: one process, whose Python threads share one GIL
-            "decode_busy_cores": {"process": round(per_role.get("decode", 0.0) / len(decode_pids) / wall, 2),
-                                  "engine_thread": round(threads.get("tandem-engine", 0.0) / len(decode_pids) / wall, 2)}
-            if decode_pids else None}
+            "machine_busy_cores": round(busy / wall, 2), "decode_busy_cores": decode_busy}
 
 
 def decode_steps(url: str, fresh: bool = False) -> int:

@@ -105,7 +105,7 @@ def measure(url: str, plan: Plan, replicas: int) -> dict[str, Any]:
     rates = []
     for rate, reqs, offsets in zip(plan.rates, plan.requests, plan.offsets):
         samples, wall = run_load(run_open_loop(url, MODEL_NAME, [(r.prompt, r.max_tokens) for r in reqs], offsets,
-                                                  max_concurrency=plan.max_concurrency))
+                                               max_concurrency=plan.max_concurrency))
         rates.append({"rate_rps": rate, "offered_s": round(offsets[-1], 1),
                       "prompt_tokens_mean": round(sum(r.prompt_tokens for r in reqs) / len(reqs), 1),
                       "max_tokens_mean": round(sum(r.max_tokens for r in reqs) / len(reqs), 1),

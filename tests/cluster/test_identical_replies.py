@@ -108,12 +108,12 @@ def test_greedy_identical_colocated_and_every_connector(serve_url, default_model
         if name in SPECULATING:
             file, spec = SPECULATING[name]
             spec = {**spec, "model": str(default_model_path)} if "model" in spec else spec
-            deploy(small_kv(in_float32({**args_of(file), "speculative_config": spec})))
+            args = {**args_of(file), "speculative_config": spec}
         elif name == budget:
-            deploy(small_kv(in_float32({**shipped_args("serve.yaml"), "speculative_config": NGRAM,
-                                        "itl_slo_ms": ITL_SLO_MS})))
+            args = {**shipped_args("serve.yaml"), "speculative_config": NGRAM, "itl_slo_ms": ITL_SLO_MS}
         else:
-            deploy(small_kv(in_float32(args_of(name))))
+            args = args_of(name)
+        deploy(small_kv(in_float32(args)))
         speculating = name != "colocated.yaml"
         c = client(serve_url)
         model = c.models.list().data[0].id
