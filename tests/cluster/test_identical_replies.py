@@ -80,12 +80,13 @@ def spec_trace(url: str, rid: str) -> dict:
     return json.loads(raw)["traces"][0]
 
 
-# not adaptive: adaptive drafting starts a request from the engine's acceptance so far, and may
-# rightly draft nothing for the trace's request; the test needs drafts to verify
+# none adaptive: adaptive drafting starts a request from the engine's acceptance so far and the
+# step cost it fitted, and may rightly draft nothing for the trace's request (a loaded host's fit);
+# the test needs drafts to verify
 NGRAM = {"method": "ngram", "prompt_lookup_min": 1, "adaptive": False}
 SPECULATING = {  # deployment → (config, its speculative_config): each connector with a method
     "colocated.yaml, ngram": ("colocated.yaml", NGRAM),
-    "serve-tcp.yaml, suffix": ("serve-tcp.yaml", {"method": "suffix"}),
+    "serve-tcp.yaml, suffix": ("serve-tcp.yaml", {"method": "suffix", "adaptive": False}),
     # shared_store: configs/serve.yaml as shipped (its connector), with NGRAM, in the test below
     # the default model as its own draft: always drafting (adaptive would see a draft pass costs a step)
     "serve-collective.yaml, draft_model": ("serve-collective.yaml", {"model": None, "adaptive": False}),
