@@ -13,7 +13,7 @@ import subprocess
 import pytest
 import torch
 
-from cluster.models.linear import Linear
+from cluster.models.linear import Linear, _cpu_identity
 from kernels import CPU_OPS, cpu_paged_attention
 from kernels.block_weights import BlockWeight, pack_exact
 
@@ -68,7 +68,7 @@ def test_weights_that_are_not_blocks_exactly_stay_float32_only():
 
 
 @pytest.mark.parametrize("make", [q4_1, q8_0])
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 8, 13, 16, 40, 64, 65])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 8, 13, 16, 40, 64, 65])
 @pytest.mark.parametrize("out", [130, 131, 129])  # three weight rows at a time: 1, 2 and 0 left over
 def test_a_product_through_the_blocks_is_float32s(make, rows, out, monkeypatch):
     gen = torch.Generator().manual_seed(rows)
@@ -125,14 +125,23 @@ def test_the_default_model_is_loaded_with_its_gguf_blocks(default_model_path):
     assert torch.equal(ours.qs.reshape(-1, 16), torch.from_numpy(raw[:, 4:].copy()))
 
 
-def test_the_portable_kernel_without_avx2_gives_the_same_products(tmp_path):
-    """The C file's plain-loop branch (a CPU without AVX2 and FMA, such as an ARM host), built
-    here with them switched off, against the blocks the native build found."""
+BRANCHES = {  # the C file's branches other than the native build's, by the switches that pick them
+    "portable": ["-mno-avx2", "-mno-fma", "-mno-f16c"],  # a CPU without AVX2 and FMA (an ARM host)
+    "avx2": ["-mavx2", "-mfma", "-mf16c", "-mno-avx512f"],  # AVX2 where the host has AVX-512 too
+}
+
+
+@pytest.mark.parametrize("branch", sorted(BRANCHES))
+def test_the_kernels_other_branches_give_the_same_products(branch, tmp_path):
+    """Each of the C file's branches, built here with its switches, against the blocks the native
+    build found (AVX-512's where the host has it)."""
     if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("the switches that turn AVX2 off are x86's; elsewhere the native build is the portable one")
-    lib_path = tmp_path / "portable.so"
+        pytest.skip("the switches that pick a branch are x86's; elsewhere the native build is the portable one")
+    if branch == "avx2" and not {"avx2", "fma", "f16c"} <= set(_cpu_identity()[0]):
+        pytest.skip("the AVX2 branch needs a CPU with AVX2, FMA and F16C to run")
+    lib_path = tmp_path / f"{branch}.so"
     source = cpu_paged_attention.SOURCE.with_name("cpu_block_matmul.c")
-    subprocess.run([os.environ.get("CC", "cc"), "-O2", "-mno-avx2", "-mno-fma", "-mno-f16c", "-shared", "-fPIC",
+    subprocess.run([os.environ.get("CC", "cc"), "-O2", *BRANCHES[branch], "-shared", "-fPIC",
                     "-o", str(lib_path), str(source), "-lm"], check=True)
     lib = ctypes.CDLL(str(lib_path))
     lib.tandem_block_matmul.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
@@ -141,7 +150,7 @@ def test_the_portable_kernel_without_avx2_gives_the_same_products(tmp_path):
     for make in (q4_1, q8_0):
         w = make(67, 96, seed=3)
         blocks = pack_exact(w)
-        for rows in (1, 5):
+        for rows in (1, 5, 8, 13):
             x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
             y = torch.empty(rows, 67)
             lib.tandem_block_matmul(blocks.bits, x.data_ptr(), rows, 96, blocks.qs.data_ptr(), blocks.d.data_ptr(),
