@@ -45,72 +45,17 @@ static inline void deq8_row(const int8_t *qs, const float *d, int64_t K, float *
     }
 }
 
-/* v stays in a register (any of the 32): see KEEP below */
+/* the vectors the shared tiles below are written in: 16 floats, 32 registers (KEEP: any of them) */
+#define SIMD_BLOCKS 1
+typedef __m512 vec;
+#define LANES 16
+#define TILE_ROWS 8
+#define vload _mm512_loadu_ps
+#define vzero _mm512_setzero_ps
+#define vfma _mm512_fmadd_ps
+#define vadd _mm512_add_ps
+#define vsum _mm512_reduce_add_ps
 #define KEEP(v) __asm__("" : "+v"(v))
-
-/* y[i * ldy + j] = x[i] . w[j] for i < R, j < W (K a multiple of 16). W <= 3, R <= 8; inlined
- * with constant W and R, so acc lives in registers */
-static inline __attribute__((always_inline)) void tile(const int W, const int R, const float *x, int64_t K,
-                                                       const float *w, float *y, int64_t ldy) {
-    __m512 acc[8][3];
-    for (int i = 0; i < R; i++)
-        for (int j = 0; j < W; j++) acc[i][j] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) {
-        __m512 w0 = _mm512_loadu_ps(w + k), w1 = w0, w2 = w0;
-        KEEP(w0);
-        if (W > 1) { w1 = _mm512_loadu_ps(w + K + k); KEEP(w1); }
-        if (W > 2) { w2 = _mm512_loadu_ps(w + 2 * K + k); KEEP(w2); }
-        for (int i = 0; i < R; i++) {
-            __m512 t = _mm512_loadu_ps(x + i * K + k);
-            KEEP(t);
-            acc[i][0] = _mm512_fmadd_ps(w0, t, acc[i][0]);
-            if (W > 1) acc[i][1] = _mm512_fmadd_ps(w1, t, acc[i][1]);
-            if (W > 2) acc[i][2] = _mm512_fmadd_ps(w2, t, acc[i][2]);
-        }
-    }
-    for (int i = 0; i < R; i++)
-        for (int j = 0; j < W; j++) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]);
-}
-
-/* one row of x: two accumulators a weight row, over alternate 16-float halves of each 32 */
-static inline __attribute__((always_inline)) void tile1(const int W, const float *x, int64_t K, const float *w,
-                                                        float *y) {
-    __m512 acc[2][3];
-    for (int h = 0; h < 2; h++)
-        for (int j = 0; j < W; j++) acc[h][j] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 32)
-        for (int h = 0; h < 2; h++) {
-            __m512 t = _mm512_loadu_ps(x + k + 16 * h);
-            KEEP(t);
-            for (int j = 0; j < W; j++)
-                acc[h][j] = _mm512_fmadd_ps(_mm512_loadu_ps(w + j * K + k + 16 * h), t, acc[h][j]);
-        }
-    for (int j = 0; j < W; j++) y[j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][j], acc[1][j]));
-}
-
-#define ROWS_OF(W)                                                                                      \
-    static void rows##W(const float *x, int64_t M, int64_t K, const float *w, float *y, int64_t ldy) {  \
-        int64_t r = 0;                                                                                  \
-        for (; r + 8 <= M; r += 8) tile(W, 8, x + r * K, K, w, y + r * ldy, ldy);                       \
-        switch (M - r) {                                                                                \
-        case 7: tile(W, 7, x + r * K, K, w, y + r * ldy, ldy); break;                                   \
-        case 6: tile(W, 6, x + r * K, K, w, y + r * ldy, ldy); break;                                   \
-        case 5: tile(W, 5, x + r * K, K, w, y + r * ldy, ldy); break;                                   \
-        case 4: tile(W, 4, x + r * K, K, w, y + r * ldy, ldy); break;                                   \
-        case 3: tile(W, 3, x + r * K, K, w, y + r * ldy, ldy); break;                                   \
-        case 2: tile(W, 2, x + r * K, K, w, y + r * ldy, ldy); break;                                   \
-        case 1: tile1(W, x + r * K, K, w, y + r * ldy); break;                                          \
-        }                                                                                               \
-    }
-ROWS_OF(1)
-ROWS_OF(2)
-ROWS_OF(3)
-
-static void dot_rows(const float *x, int64_t M, int64_t K, const float *w, int W, float *y, int64_t ldy) {
-    if (W == 3) rows3(x, M, K, w, y, ldy);
-    else if (W == 2) rows2(x, M, K, w, y, ldy);
-    else rows1(x, M, K, w, y, ldy);
-}
 
 #elif defined(__AVX2__) && defined(__FMA__)
 
@@ -144,59 +89,75 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+/* 8 floats, 16 registers */
+#define SIMD_BLOCKS 1
+typedef __m256 vec;
+#define LANES 8
+#define TILE_ROWS 4
+#define vload _mm256_loadu_ps
+#define vzero _mm256_setzero_ps
+#define vfma _mm256_fmadd_ps
+#define vadd _mm256_add_ps
+#define vsum hsum
+#define KEEP(v) __asm__("" : "+x"(v))
+
+#endif
+
+#ifdef SIMD_BLOCKS
+
 /* KEEP(v): v stays in a register. Without it GCC folds a load into every FMA that reads the
  * vector, and the loop waits on loads (10 for 8 FMAs) instead of FMAs: 16 rows of the default
  * model's projections took ~20% longer that way on the AVX2 EPYC. */
-#define KEEP(v) __asm__("" : "+x"(v))
 
 /* y[i * ldy + j] = x[i] . w[j] for i < R, j < W (x rows and w rows K floats apart; K a multiple
- * of 8). W <= 3, R <= 4; inlined with constant W and R, so acc lives in registers. */
+ * of 32). W <= 3, R <= TILE_ROWS; inlined with constant W and R, so acc lives in registers. */
 static inline __attribute__((always_inline)) void tile(const int W, const int R, const float *x, int64_t K,
                                                        const float *w, float *y, int64_t ldy) {
-    __m256 acc[4][3];
+    vec acc[TILE_ROWS][3];
     for (int i = 0; i < R; i++)
-        for (int j = 0; j < W; j++) acc[i][j] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 8) {
-        __m256 w0 = _mm256_loadu_ps(w + k), w1 = w0, w2 = w0;
+        for (int j = 0; j < W; j++) acc[i][j] = vzero();
+    for (int64_t k = 0; k < K; k += LANES) {
+        vec w0 = vload(w + k), w1 = w0, w2 = w0;
         KEEP(w0);
-        if (W > 1) { w1 = _mm256_loadu_ps(w + K + k); KEEP(w1); }
-        if (W > 2) { w2 = _mm256_loadu_ps(w + 2 * K + k); KEEP(w2); }
+        if (W > 1) { w1 = vload(w + K + k); KEEP(w1); }
+        if (W > 2) { w2 = vload(w + 2 * K + k); KEEP(w2); }
         for (int i = 0; i < R; i++) {
-            __m256 t = _mm256_loadu_ps(x + i * K + k);
+            vec t = vload(x + i * K + k);
             KEEP(t);
-            acc[i][0] = _mm256_fmadd_ps(w0, t, acc[i][0]);
-            if (W > 1) acc[i][1] = _mm256_fmadd_ps(w1, t, acc[i][1]);
-            if (W > 2) acc[i][2] = _mm256_fmadd_ps(w2, t, acc[i][2]);
+            acc[i][0] = vfma(w0, t, acc[i][0]);
+            if (W > 1) acc[i][1] = vfma(w1, t, acc[i][1]);
+            if (W > 2) acc[i][2] = vfma(w2, t, acc[i][2]);
         }
     }
     for (int i = 0; i < R; i++)
-        for (int j = 0; j < W; j++) y[i * ldy + j] = hsum(acc[i][j]);
+        for (int j = 0; j < W; j++) y[i * ldy + j] = vsum(acc[i][j]);
 }
 
 /* tile's one row of x (a decode step of one stream): two accumulators a weight row, over
- * alternate 8-float halves of each 16 (K a multiple of 16), so the FMAs' latency is not the bound */
+ * alternate halves of each 2 x LANES floats, so the FMAs' latency is not the bound */
 static inline __attribute__((always_inline)) void tile1(const int W, const float *x, int64_t K, const float *w,
                                                         float *y) {
-    __m256 acc[2][3];
+    vec acc[2][3];
     for (int h = 0; h < 2; h++)
-        for (int j = 0; j < W; j++) acc[h][j] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16)
+        for (int j = 0; j < W; j++) acc[h][j] = vzero();
+    for (int64_t k = 0; k < K; k += 2 * LANES)
         for (int h = 0; h < 2; h++) {
-            __m256 t = _mm256_loadu_ps(x + k + 8 * h);
+            vec t = vload(x + k + LANES * h);
             KEEP(t);
-            for (int j = 0; j < W; j++) acc[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(w + j * K + k + 8 * h), t, acc[h][j]);
+            for (int j = 0; j < W; j++) acc[h][j] = vfma(vload(w + j * K + k + LANES * h), t, acc[h][j]);
         }
-    for (int j = 0; j < W; j++) y[j] = hsum(_mm256_add_ps(acc[0][j], acc[1][j]));
+    for (int j = 0; j < W; j++) y[j] = vsum(vadd(acc[0][j], acc[1][j]));
 }
 
-/* y[r, j] = x[r] . w_j for every row r of x [M, K] and the W weight rows w_j = w + j * K */
+/* y[r, j] = x[r] . w_j for every row r of x [M, K] and the W weight rows w_j = w + j * K: TILE_ROWS
+ * rows at a time, then the rest in one tile (cases past TILE_ROWS - 1 are never reached) */
+#define TILE_REST(W, R) case R: if (R < TILE_ROWS) tile(W, R < TILE_ROWS ? R : 1, x + r * K, K, w, y + r * ldy, ldy); break;
 #define ROWS_OF(W)                                                                                      \
     static void rows##W(const float *x, int64_t M, int64_t K, const float *w, float *y, int64_t ldy) {  \
         int64_t r = 0;                                                                                  \
-        for (; r + 4 <= M; r += 4) tile(W, 4, x + r * K, K, w, y + r * ldy, ldy);                       \
+        for (; r + TILE_ROWS <= M; r += TILE_ROWS) tile(W, TILE_ROWS, x + r * K, K, w, y + r * ldy, ldy); \
         switch (M - r) {                                                                                \
-        case 3: tile(W, 3, x + r * K, K, w, y + r * ldy, ldy); break;                                   \
-        case 2: tile(W, 2, x + r * K, K, w, y + r * ldy, ldy); break;                                   \
+        TILE_REST(W, 7) TILE_REST(W, 6) TILE_REST(W, 5) TILE_REST(W, 4) TILE_REST(W, 3) TILE_REST(W, 2) \
         case 1: tile1(W, x + r * K, K, w, y + r * ldy); break;                                          \
         }                                                                                               \
     }
