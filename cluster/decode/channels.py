@@ -15,10 +15,13 @@ gave it up) cancels every request still on it.
 A channel no request has used for IDLE_CLOSE_S ends its stream: the router opens it again when
 it next sees a request here. A request that finds no channel goes on its own stream, and its
 StreamStart tells the router to subscribe; the router's next requests within SUBSCRIBE_WAIT_S
-wait for that subscription (`Channels.get`), so a burst after a pause goes over one channel, not
-one stream per request. A channel is a request in flight to Serve, so one held open while
-idle would keep a replica being removed (scale-down) from draining until Serve's
-graceful_shutdown_timeout_s (20 s by default) killed it.
+expect that subscription (`Channels.claim`): each starts computing at once, its outputs queued,
+and its StreamStart waits for the channel to open (`Channels.opened`), which then takes what it
+queued and the rest. So a burst after a pause goes over one channel, not one stream per request,
+and no first token waits for the subscription longer than it would have taken anyway (a
+subscription that never comes: each goes on its own stream when the wait ends). A channel is a
+request in flight to Serve, so one held open while idle would keep a replica being removed
+(scale-down) from draining until Serve's graceful_shutdown_timeout_s (20 s by default) killed it.
 A batch is {request id: [deltas]}, everything put since the subscriber last looked: the deltas
 of one engine step arrive together (AsyncEngine hands a step's outputs to the loop at once),
 so a router gets one message per step whatever the number of its streams. A channel that
@@ -29,13 +32,15 @@ which the router migrates like a lost replica.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import AsyncIterator
 
 from cluster.engine.outputs import ChannelClosed, TokenDelta
 
 IDLE_CLOSE_S = 2.0
-SUBSCRIBE_WAIT_S = 0.2  # how long after a request told its router to subscribe the next ones wait for it
+SUBSCRIBE_WAIT_S = 1.0  # how long after a request told its router to subscribe the next ones expect it
+#                        (a burst of 64 on two cores: its subscription arrived 0.2-0.5 s after)
 
 
 class Channel:
@@ -103,22 +108,29 @@ class Channels:
         self._told: dict[str, float] = {}  # router → when a request last went without its channel
         self._opened: dict[str, asyncio.Event] = {}  # router → set when its channel opens
 
-    async def get(self, router: str) -> Channel | None:
-        """The router's channel here, or None: the request then goes on its own stream, and its
-        StreamStart has the router subscribe. Within SUBSCRIBE_WAIT_S of that, a request waits
-        for the subscription to arrive instead (None if it does not)."""
+    def claim(self, router: str) -> tuple[Channel | None, bool]:
+        """(the router's channel here or None, whether its subscription is on its way). Neither:
+        the request goes on its own stream, and its StreamStart has the router subscribe; for
+        SUBSCRIBE_WAIT_S after that, a request finds the subscription on its way (`opened`)."""
         channel = self.open.get(router)
+        if channel is not None:
+            return channel, False
         told = self._told.get(router)
-        if channel is not None or told is None or time.monotonic() - told > SUBSCRIBE_WAIT_S:
-            if channel is None:
-                self._told[router] = time.monotonic()
-            return channel
-        opened = self._opened.setdefault(router, asyncio.Event())
-        try:
-            await asyncio.wait_for(opened.wait(), told + SUBSCRIBE_WAIT_S - time.monotonic())
-        except asyncio.TimeoutError:
-            pass
+        if told is not None and time.monotonic() - told <= SUBSCRIBE_WAIT_S:
+            return None, True
+        self._told[router] = time.monotonic()
+        return None, False
+
+    async def opened(self, router: str) -> Channel | None:
+        """The router's channel once its subscription arrives; None if it has not within
+        SUBSCRIBE_WAIT_S of the request that told it to subscribe."""
+        told = self._told.get(router)
+        if router not in self.open and told is not None:
+            opened = self._opened.setdefault(router, asyncio.Event())
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(opened.wait(), told + SUBSCRIBE_WAIT_S - time.monotonic())
         return self.open.get(router)
+
 
     def cancel(self, request_id: str) -> bool:
         """Cancel R's generate call on whichever channel carries it (R is aborted there)."""

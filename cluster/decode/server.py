@@ -32,10 +32,10 @@ from typing import Any, AsyncIterator, Sequence
 
 from cluster.autoscaling import BLOCKS_IN_USE, NUM_BLOCKS, REQUESTS
 from cluster.app_config import AppConfig
-from cluster.decode.channels import Channels
+from cluster.decode.channels import Channel, Channels
 from cluster.decode.importer import KVImporter
 from cluster.decode.placement import PlacementInputs, PrefillPoolView, StepCosts, place
-from cluster.engine.async_engine import AsyncEngine
+from cluster.engine.async_engine import AsyncEngine, RequestStream
 from cluster.engine.engine import LLMEngine
 from cluster.kvtransfer.connectors import create_connector
 from cluster.kvtransfer.errors import KVTransferError
@@ -95,14 +95,15 @@ class DecodeServer:
         prompt = list(prompt_token_ids)
         stream = self.engine.open(request_id)
         trace: dict[str, Any] = {"decode_replica": self.name}
-        channel = await self.channels.get(mux) if mux is not None else None
-        if channel is not None:
-            channel.attach(request_id, asyncio.current_task())  # Channels.cancel aborts R through it
+        channel, coming = self.channels.claim(mux) if mux is not None else (None, False)
+        # its router's subscription on its way (a burst after a pause): R starts now, and says
+        # where its deltas go once the channel opens (or the wait for it ends)
+        opening = asyncio.ensure_future(self.channels.opened(mux)) if coming else None
+        clock: list[float | None] = [None]  # R's last token's engine time
         try:
-            clock: list[float | None] = [None]  # R's last token's engine time
-            if channel is not None:  # R's outputs go straight into the router's channel
-                stream.divert(lambda out: channel.put(request_id, self._delta([out], trace, clock)))
-            if mux is not None:
+            if channel is not None:
+                self._onto(channel, request_id, stream, trace, clock)
+            if mux is not None and opening is None:
                 yield StreamStart(self.name, channel is not None)
             if prefill is None or self.importer is None or self._prefill_here(request_id, prompt, params, trace):
                 try:
@@ -111,12 +112,19 @@ class DecodeServer:
                     self._placing_here.pop(request_id, None)
             else:
                 await self._remote_prefill(request_id, prompt, params, prefill, trace)
+            if opening is not None:
+                channel = await opening
+                if channel is not None:
+                    self._onto(channel, request_id, stream, trace, clock)
+                yield StreamStart(self.name, channel is not None)
             if channel is None:
                 async for outs in stream:
                     yield [self._delta(outs, trace, clock)]
             else:
                 await stream.done()
         finally:
+            if opening is not None:
+                opening.cancel()
             if channel is not None:
                 channel.detach(request_id)
             if self.connector is not None:
@@ -127,6 +135,15 @@ class DecodeServer:
             if not stream.finished:  # the caller went away: R is aborted and its blocks freed
                 closing.add_done_callback(self._aborted)
             await asyncio.shield(closing)
+
+    def _onto(self, channel: Channel, request_id: str, stream: RequestStream, trace: dict[str, Any],
+              clock: list[float | None]) -> None:
+        """R's outputs go into the router's channel from now on as the loop receives them, those
+        R queued before first, as one delta; Channels.cancel aborts R through it."""
+        channel.attach(request_id, asyncio.current_task())
+        queued = stream.divert(lambda out: channel.put(request_id, self._delta([out], trace, clock)))
+        if queued:
+            channel.put(request_id, self._delta(queued, trace, clock))
 
     def _delta(self, outs: list[RequestOutput], trace: dict[str, Any], clock: list[float | None]) -> TokenDelta:
         """R's outputs since the last delta as one; the last carries R's trace."""

@@ -43,12 +43,15 @@ class RequestStream:
         self.sink: Callable[[RequestOutput], None] | None = None  # see `divert`
         self._ready = asyncio.Event()
 
-    def divert(self, sink: Callable[[RequestOutput], None]) -> None:
-        """Hand each output to `sink`, called on the loop as it arrives, instead of queueing it
-        for a task that iterates the stream: no task switch per token (a decode replica's
-        multiplexed path, where a step's outputs go into one channel). Call it before R enters
-        the engine; then await `done()`. A sink that raises fails the stream with its error."""
+    def divert(self, sink: Callable[[RequestOutput], None]) -> list[RequestOutput]:
+        """Hand each output to `sink` from now on, called on the loop as it arrives, instead of
+        queueing it for a task that iterates the stream: no task switch per token (a decode
+        replica's multiplexed path, where a step's outputs go into one channel). Returns what was
+        queued before (hand it on first: it comes before anything the sink sees); then await
+        `done()`. A sink that raises fails the stream with its error."""
         self.sink = sink
+        queued, self.items = self.items, []
+        return queued
 
     def put(self, out: RequestOutput, outcome: Any = None) -> None:  # on the loop
         if outcome is not None:

@@ -2,11 +2,13 @@
 router has a channel open gets the tokens it would get on its own stream, its outputs put into
 the channel as the engine hands them over (decode/server.py diverts its stream: no task wakes
 per token); the last delta carries the trace; a channel that closes mid-request aborts it and
-gives its blocks back."""
+gives its blocks back; in a burst after a pause, the requests behind the first compute while their
+router subscribes and then stream over its channel (or, with no subscription, on their own)."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -28,8 +30,8 @@ def server(tiny_model_paths):
     s.close()
 
 
-async def own_stream(server, rid: str) -> list:
-    return [item async for item in server.generate(rid, PROMPT, PARAMS, mux="router-1")]
+async def own_stream(server, rid: str, router: str = "router-1") -> list:
+    return [item async for item in server.generate(rid, PROMPT, PARAMS, mux=router)]
 
 
 async def settle(server) -> dict:
@@ -94,3 +96,49 @@ def test_a_channel_that_closes_mid_request_aborts_it_and_frees_its_blocks(server
     aborted, stats = asyncio.run(go())
     assert aborted == 1
     assert stats["blocks_in_use"] == 0 and stats["num_running"] == 0
+
+
+def test_a_burst_after_a_pause_computes_while_its_router_subscribes_then_goes_over_the_channel(server):
+    async def go():
+        teller = asyncio.ensure_future(own_stream(server, "teller", "router-3"))  # finds no channel
+        await asyncio.sleep(0)
+        behind = asyncio.ensure_future(own_stream(server, "behind", "router-3"))
+        await teller
+        await asyncio.sleep(0.3)  # the subscription comes late: "behind" has run to its end meanwhile
+        done_before = behind.done()
+        batches = server.channels.serve("router-3")
+        got: list[TokenDelta] = []
+        async for batch in batches:
+            got += batch.get("behind", [])
+            if got and got[-1].finish_reason is not None:
+                break
+        await batches.aclose()
+        return await teller, await behind, done_before, got, await settle(server)
+
+    told, items, done_before, got, stats = asyncio.run(go())
+    assert told[0] == StreamStart(server.name, False) and not done_before
+    assert items == [StreamStart(server.name, True)]
+    own = TokenDelta.concat([d for item in told[1:] for d in item])
+    muxed = TokenDelta.concat(got)
+    assert muxed.token_ids == own.token_ids and muxed.text == own.text and len(own.token_ids) == 12
+    assert len(got[0].token_ids) > 1  # computed while the subscription was on its way, sent at once
+    assert muxed.finish_reason == "length" and muxed.trace["decode_replica"] == server.name
+    assert stats["blocks_in_use"] == 0
+
+
+def test_a_burst_whose_router_never_subscribes_streams_on_its_own_when_the_wait_ends(server):
+    from cluster.decode.channels import SUBSCRIBE_WAIT_S
+
+    async def go():
+        teller = asyncio.ensure_future(own_stream(server, "teller-4", "router-4"))
+        await asyncio.sleep(0)
+        started = time.monotonic()
+        items = await own_stream(server, "behind-4", "router-4")
+        return await teller, items, time.monotonic() - started, await settle(server)
+
+    told, items, waited, stats = asyncio.run(go())
+    assert told[0] == items[0] == StreamStart(server.name, False)
+    own, behind = (TokenDelta.concat([d for item in x[1:] for d in item]) for x in (told, items))
+    assert behind.token_ids == own.token_ids and behind.finish_reason == "length"
+    assert waited >= SUBSCRIBE_WAIT_S - 0.1  # its tokens waited for the subscription that never came
+    assert stats["blocks_in_use"] == 0

@@ -176,34 +176,43 @@ def test_an_idle_channel_ends_without_failing_anything_and_the_next_request_open
     assert reopened and subscribed == ["d0", "d0"]
 
 
-def test_requests_right_after_one_that_found_no_channel_wait_for_its_subscription():
+def test_requests_right_after_one_that_found_no_channel_expect_its_subscription():
     """A burst after a pause: the first request goes on its own stream (its StreamStart has the
-    router subscribe); the ones right behind it wait for that channel instead of each taking a
-    stream of their own; with no subscription coming, they go on their own streams after the wait."""
+    router subscribe); the ones right behind it expect that channel instead of each taking a
+    stream of their own, and get it when it opens; with no subscription coming, they go on their
+    own streams when the wait ends, and the next request after that tells the router again."""
     from cluster.decode.channels import SUBSCRIBE_WAIT_S
 
     async def go():
         channels = Channels()
-        first = await channels.get("r")
-        behind = [asyncio.ensure_future(channels.get("r")) for _ in range(3)]
+        first = channels.claim("r")
+        behind = [channels.claim("r") for _ in range(3)]
+        opening = [asyncio.ensure_future(channels.opened("r")) for _ in behind]
         await settle()
-        waiting = not any(t.done() for t in behind)
+        waiting = not any(t.done() for t in opening)
         batches = channels.serve("r")  # the router's subscription arrives
         reading = asyncio.ensure_future(batches.__anext__())
         await settle()
-        got = [await t for t in behind]
+        got = [await t for t in opening]
+        open_now = channels.claim("r")
         reading.cancel()
         await asyncio.gather(reading, return_exceptions=True)
-        await asyncio.sleep(SUBSCRIBE_WAIT_S + 0.05)
-        alone = await channels.get("r")  # long after: no wait
-        started = asyncio.get_running_loop().time()
-        unanswered = await channels.get("r")  # nobody subscribes this time
-        waited = asyncio.get_running_loop().time() - started
-        return first, waiting, got, alone, unanswered, waited
+        await settle()
+        teller = channels.claim("r")  # the channel closed: this one tells the router again
+        coming = channels.claim("r")
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        unanswered = await channels.opened("r")  # nobody subscribes this time
+        waited = loop.time() - started
+        after = channels.claim("r")  # the wait ended: tells it again
+        return first, behind, waiting, got, open_now, teller, coming, unanswered, waited, after
 
-    first, waiting, got, alone, unanswered, waited = asyncio.run(go())
-    assert first is None and waiting and all(c is not None and c is got[0] for c in got)
-    assert alone is None and unanswered is None and 0.1 < waited < SUBSCRIBE_WAIT_S + 0.1
+    first, behind, waiting, got, open_now, teller, coming, unanswered, waited, after = asyncio.run(go())
+    assert first == (None, False) and behind == [(None, True)] * 3 and waiting
+    assert all(c is not None and c is got[0] for c in got) and open_now == (got[0], False)
+    assert teller == (None, False) and coming == (None, True)
+    assert unanswered is None and SUBSCRIBE_WAIT_S - 0.1 < waited < SUBSCRIBE_WAIT_S + 0.2
+    assert after == (None, False)
 
 
 def test_closing_a_stream_closes_its_call_and_an_error_on_it_is_raised():
