@@ -78,7 +78,12 @@ class DecodeDeployment(PoolReplica):
 
     async def subscribe(self, router: str, replica_id: str = "") -> AsyncIterator[dict[str, list[TokenDelta]]]:
         """A router replica's channel: every step's deltas of its requests here, in one message
-        (decode/channels.py). `replica_id` is read by the pool's request router to pin the call here."""
+        (decode/channels.py), after an empty one that says it opened here. `replica_id` is read by
+        the pool's request router to pin the call here; a call for another replica (gone: Serve's
+        router sent it on) ends at once, empty (router/mux.py then forgets that replica)."""
+        if replica_id and replica_id != self.replica_id:
+            return
+        yield {}
         async for batch in self.server.channels.serve(router):
             yield batch
 

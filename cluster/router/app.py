@@ -144,6 +144,7 @@ class RouterDeployment:
             # the n concurrent children of one request must not share it (their streams collide).
             if self.mux is None:
                 return contextvars.Context().run(self.decode.generate.remote, rid, ids, p)
+            self.mux.reopen()  # a burst after a pause: its channels on their way before its requests
             own = contextvars.Context().run(self.decode.generate.remote, rid, ids, p, mux=self.replica_id)
             return self.mux.stream(rid, own)
 

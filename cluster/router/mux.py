@@ -13,12 +13,20 @@ buffer per request. Plain object: the Serve calls are injected.
                      token, `own` ends by itself
     a subscription that ends fails the requests on it with ChannelClosed (the router migrates
     them like requests of a lost replica); `own` failing fails R whatever its path
+    reopen()         before a request is sent, when no channel is open (every one closed while
+                     idle: a pause): subscribe again to the replicas that took this router's
+                     requests within RECENT_S, so a burst after a pause finds its channel there
+                     (or on its way) instead of waiting for its first request's StreamStart. A replica says
+                     a subscription opened with an empty first batch; one that ends without it
+                     (the replica is gone: Serve sent the call to another, which refused it)
+                     is forgotten until a StreamStart names it again
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import Counter
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -26,6 +34,7 @@ from cluster.engine.outputs import ChannelClosed, StreamStart, TokenDelta
 from cluster.router.migration import stop_stream
 
 Batch = dict[str, list[TokenDelta]]
+RECENT_S = 60.0  # a decode replica that took a request of this router's this recently is subscribed to again
 
 
 class _Buffer:
@@ -54,8 +63,20 @@ class Mux:
         self.cancel = cancel  # (decode replica id, request id) → abort R there
         self.counters: Counter[str] = Counter() if counters is None else counters  # streams_{multiplexed,own}
         self.channels: dict[str, asyncio.Task] = {}
+        self.recent: dict[str, float] = {}  # decode replica → when a request here last started there
         self.waiting: dict[str, _Buffer] = {}  # request id → its buffer
         self._draining: set[asyncio.Task] = set()  # finished requests' own streams, ending
+
+    def reopen(self) -> None:
+        """After a pause (no channel open), subscribe again to the replicas used within RECENT_S."""
+        if self.channels:
+            return
+        now = time.monotonic()
+        for replica, seen in list(self.recent.items()):
+            if now - seen > RECENT_S:
+                del self.recent[replica]
+            else:
+                self.channels[replica] = asyncio.ensure_future(self._pump(replica))
 
     async def stream(self, request_id: str, own: Any) -> AsyncIterator[list[TokenDelta]]:
         buf = self.waiting[request_id] = _Buffer()
@@ -111,6 +132,7 @@ class Mux:
             buf.fail(RuntimeError("the decode stream ended before its last token"))
 
     def _start(self, start: StreamStart, buf: _Buffer) -> None:
+        self.recent[start.replica] = time.monotonic()
         live = start.replica in self.channels
         if not live:
             self.channels[start.replica] = asyncio.ensure_future(self._pump(start.replica))
@@ -121,8 +143,10 @@ class Mux:
                 buf.fail(ChannelClosed(f"no open channel to decode replica {start.replica}"))
 
     async def _pump(self, replica: str) -> None:
+        opened = False
         try:
             async for batch in self.subscribe(replica):
+                opened = True
                 for rid, deltas in batch.items():
                     buf = self.waiting.get(rid)
                     if buf is not None:
@@ -131,6 +155,8 @@ class Mux:
             pass
         finally:
             del self.channels[replica]
+            if not opened:  # not there: wait for a StreamStart to name it again
+                self.recent.pop(replica, None)
             for buf in self.waiting.values():
                 if buf.via == replica and not buf.finished:
                     buf.fail(ChannelClosed(f"the channel to decode replica {replica} closed"))

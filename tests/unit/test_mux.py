@@ -176,6 +176,59 @@ def test_an_idle_channel_ends_without_failing_anything_and_the_next_request_open
     assert reopened and subscribed == ["d0", "d0"]
 
 
+def test_after_a_pause_the_router_reopens_the_channels_it_used_before_sending_a_request():
+    """A burst after a pause: the router subscribes again to the replicas it used lately before the
+    burst's first request is sent, so that request finds its channel there; a subscription that
+    ends without saying it opened (the replica gone: Serve sent the call to another, which
+    refused it) is not asked for again until a request's StreamStart names that replica."""
+    async def go():
+        channels = Channels(idle_close_s=0.05)
+        subscribed = []
+
+        def subscribe(replica: str):
+            subscribed.append(replica)
+            if replica == "gone":  # Serve sent it to another replica, which ends it at once
+                return empty()
+            return opened_here(channels.serve("r"))
+
+        async def opened_here(batches):  # as DecodeDeployment.subscribe: an empty batch first
+            yield {}
+            async for batch in batches:
+                yield batch
+
+        async def empty():
+            return
+            yield
+
+        mux = Mux(subscribe, no_cancel)
+        await first_request(mux)  # d0 named by a StreamStart: subscribed
+        await asyncio.sleep(0.15)
+        closed_when_idle = "d0" not in mux.channels
+        mux.reopen()  # the next request is about to be sent
+        await settle()
+        reopened = "r" in channels.open and "d0" in mux.channels
+        call, s, reading = await on_channel(mux, "b")  # its replica's StreamStart: over the channel
+        channels.open["r"].put("b", d("hi", "stop"))
+        got = await reading
+        call.items.put_nowait(None)
+        gone = Call()
+        g = mux.stream("g", gone)
+        gone.items.put_nowait(StreamStart("gone", False))
+        gone.items.put_nowait([d("x", "stop")])
+        await g.__anext__()
+        await settle()
+        forgot = "gone" not in mux.recent and "gone" not in mux.channels
+        await asyncio.sleep(0.15)  # another pause: every channel closed while idle
+        mux.reopen()
+        await settle()
+        await mux.close()
+        return closed_when_idle, reopened, got, forgot, subscribed
+
+    closed_when_idle, reopened, got, forgot, subscribed = asyncio.run(go())
+    assert closed_when_idle and reopened and [x.text for x in got] == ["hi"]
+    assert forgot and subscribed == ["d0", "d0", "gone", "d0"]  # d0 again; "gone" not asked for again
+
+
 def test_requests_right_after_one_that_found_no_channel_expect_its_subscription():
     """A burst after a pause: the first request goes on its own stream (its StreamStart has the
     router subscribe); the ones right behind it expect that channel instead of each taking a
