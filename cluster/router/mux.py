@@ -76,7 +76,7 @@ class Mux:
             if now - seen > RECENT_S:
                 del self.recent[replica]
             else:
-                self.channels[replica] = asyncio.ensure_future(self._pump(replica))
+                self._open(replica)
 
     async def stream(self, request_id: str, own: Any) -> AsyncIterator[list[TokenDelta]]:
         buf = self.waiting[request_id] = _Buffer()
@@ -135,17 +135,22 @@ class Mux:
         self.recent[start.replica] = time.monotonic()
         live = start.replica in self.channels
         if not live:
-            self.channels[start.replica] = asyncio.ensure_future(self._pump(start.replica))
+            self._open(start.replica)
         self.counters["streams_multiplexed" if start.multiplexed else "streams_own"] += 1
         if start.multiplexed:
             buf.via = start.replica
             if not live:  # the replica has a channel of ours we no longer read
                 buf.fail(ChannelClosed(f"no open channel to decode replica {start.replica}"))
 
-    async def _pump(self, replica: str) -> None:
+    def _open(self, replica: str) -> None:
+        """Subscribe to `replica`: the call goes out now (ahead of a request about to be sent
+        there), its batches read by a task."""
+        self.channels[replica] = asyncio.ensure_future(self._pump(replica, self.subscribe(replica)))
+
+    async def _pump(self, replica: str, batches: AsyncIterator[Batch]) -> None:
         opened = False
         try:
-            async for batch in self.subscribe(replica):
+            async for batch in batches:
                 opened = True
                 for rid, deltas in batch.items():
                     buf = self.waiting.get(rid)
