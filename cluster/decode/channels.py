@@ -131,7 +131,6 @@ class Channels:
                 await asyncio.wait_for(opened.wait(), told + SUBSCRIBE_WAIT_S - time.monotonic())
         return self.open.get(router)
 
-
     def cancel(self, request_id: str) -> bool:
         """Cancel R's generate call on whichever channel carries it (R is aborted there)."""
         for channel in self.open.values():

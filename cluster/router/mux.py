@@ -16,10 +16,10 @@ buffer per request. Plain object: the Serve calls are injected.
     reopen()         before a request is sent, when no channel is open (every one closed while
                      idle: a pause): subscribe again to the replicas that took this router's
                      requests within RECENT_S, so a burst after a pause finds its channel there
-                     (or on its way) instead of waiting for its first request's StreamStart. A replica says
-                     a subscription opened with an empty first batch; one that ends without it
-                     (the replica is gone: Serve sent the call to another, which refused it)
-                     is forgotten until a StreamStart names it again
+                     (or on its way) instead of waiting for its first request's StreamStart.
+                     A replica says a subscription opened with an empty first batch; one that
+                     ends without it (the replica is gone: Serve sent the call to another,
+                     which refused it) is forgotten until a StreamStart names it again
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from cluster.engine.outputs import ChannelClosed, StreamStart, TokenDelta
 from cluster.router.migration import stop_stream
 
 Batch = dict[str, list[TokenDelta]]
-RECENT_S = 60.0  # a decode replica that took a request of this router's this recently is subscribed to again
+RECENT_S = 60.0  # a decode replica used this recently is subscribed to again after a pause
 
 
 class _Buffer:

@@ -50,11 +50,11 @@ def d(text: str, finish: str | None = None) -> TokenDelta:
     return TokenDelta(text, [len(text)], finish_reason=finish)
 
 
-async def first_request(mux: Mux) -> None:
-    """A request to d0 that finishes on its own stream: the mux subscribes to d0 on the way."""
+async def first_request(mux: Mux, replica: str = "d0") -> None:
+    """A request to `replica` that finishes on its own stream: the mux subscribes to it on the way."""
     warm = Call()
-    w = mux.stream("w", warm)
-    warm.items.put_nowait(StreamStart("d0", False))
+    w = mux.stream(f"w-{replica}", warm)
+    warm.items.put_nowait(StreamStart(replica, False))
     warm.items.put_nowait([d("ok", "stop")])
     await w.__anext__()
     await settle()
@@ -211,12 +211,7 @@ def test_after_a_pause_the_router_reopens_the_channels_it_used_before_sending_a_
         channels.open["r"].put("b", d("hi", "stop"))
         got = await reading
         call.items.put_nowait(None)
-        gone = Call()
-        g = mux.stream("g", gone)
-        gone.items.put_nowait(StreamStart("gone", False))
-        gone.items.put_nowait([d("x", "stop")])
-        await g.__anext__()
-        await settle()
+        await first_request(mux, "gone")  # a replica whose subscription ends without opening
         forgot = "gone" not in mux.recent and "gone" not in mux.channels
         await asyncio.sleep(0.15)  # another pause: every channel closed while idle
         mux.reopen()
