@@ -122,7 +122,8 @@ class RouterDeployment:
         self.api_key = self.config.api_key or os.environ.get("TANDEM_API_KEY") or None
         self.openai = OpenAIServer(self.config.served_model_name or path.name, Tokenizer(path), max_len,
                                    self._generate, map_error=as_api_error,
-                                   scheduling_policy=self.config.engine.scheduler.scheduling_policy)
+                                   scheduling_policy=self.config.engine.scheduler.scheduling_policy,
+                                   read_ahead=not self.config.multiplexed_streams)
         ctx = serve.get_replica_context()
         self.app_name, self.replica_id = ctx.app_name, ctx.replica_id.unique_id
         self.active = 0  # requests in flight here, streams until their last byte

@@ -87,12 +87,15 @@ class OpenAIServer:
     def __init__(self, model_name: str, tokenizer: Any, max_model_len: int, generate: GenerateFn,
                  clock: Callable[[], float] = time.time,
                  map_error: Callable[[BaseException], APIError] | None = None,
-                 scheduling_policy: str = "fcfs") -> None:
+                 scheduling_policy: str = "fcfs", read_ahead: bool = True) -> None:
         self.model_name = model_name
         self.scheduling_policy = scheduling_policy  # the pools' (a request's `priority` needs "priority")
         self.tokenizer = tokenizer  # cluster.engine.tokenizer.Tokenizer
         self.max_model_len = max_model_len
         self.generate = generate
+        # False: each read of a `generate` stream takes all that arrived since the last (the
+        # router's multiplexed buffers), so a single choice needs no task reading ahead of it
+        self.read_ahead = read_ahead
         self.clock = clock
         # what an error from `generate` becomes in an error chunk (after the first byte)
         self.map_error = map_error or (lambda exc: APIError(500, f"generation failed: {type(exc).__name__}",
@@ -189,7 +192,7 @@ class OpenAIServer:
     def samples(self, p: Prepared) -> AsyncIterator[tuple[int, TokenDelta]]:
         """The choices of a prepared request, running concurrently, as (choice, delta);
         closing it aborts them."""
-        return merge_samples([self.generate(*c) for c in p.children])
+        return merge_samples([self.generate(*c) for c in p.children], self.read_ahead)
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.hf.decode([token_id])

@@ -361,3 +361,53 @@ def test_a_hang_up_delivered_as_a_cancel_scope_still_aborts_the_request():
     closed, cancelled, waiting = asyncio.run(go())
     assert closed == {"own": True, "mux": True}  # each call closed (Serve's own-stream abort)
     assert cancelled == [("d0", "mux")] and waiting == {}  # and the channel's request cancelled on its replica
+
+
+def test_one_choice_read_without_read_ahead_keeps_several_steps_in_one_delta_and_closing_aborts():
+    """The router reads a single choice straight from its multiplexed buffer (merge_samples with
+    read_ahead=False, no task reading ahead per request): what arrived while the response was
+    busy still goes out as one delta, the finish comes through, and a client that hangs up
+    still has its request cancelled on its replica."""
+    from cluster.router.streams import merge_samples
+
+    async def go():
+        channels = Channels()
+        cancelled = []
+
+        async def cancel(replica: str, request_id: str) -> None:
+            cancelled.append((replica, request_id))
+
+        mux = Mux(lambda replica: channels.serve("r"), cancel)
+        await first_request(mux)
+        tasks_before = len(asyncio.all_tasks())
+        call, s, reading = await on_channel(mux, "a")
+        channel = channels.open["r"]
+        channel.put("a", d("he"))
+        first = (0, (await reading)[0])  # as the router's first read would have it
+        merged = merge_samples([s], read_ahead=False)
+        for text in ("ll", "o"):  # two steps before the response looks again
+            channel.put("a", d(text))
+            await settle()
+        second = await merged.__anext__()
+        tasks_reading = len(asyncio.all_tasks()) - tasks_before  # the mux's reader of a's call only
+        channel.put("a", d("!", "stop"))
+        third = await merged.__anext__()
+        with pytest.raises(StopAsyncIteration):
+            await merged.__anext__()
+        call_b = Call()
+        hung_up = merge_samples([mux.stream("b", call_b)], read_ahead=False)
+        reading_b = asyncio.ensure_future(hung_up.__anext__())
+        call_b.items.put_nowait(StreamStart("d0", True))
+        await settle()
+        channel.put("b", d("x"))
+        await reading_b
+        await hung_up.aclose()  # the client went away before reading on
+        await settle()
+        await mux.close()
+        return first, second, third, tasks_reading, cancelled, call_b.closed
+
+    first, second, third, tasks_reading, cancelled, closed = asyncio.run(go())
+    assert [(j, x.text) for j, x in (first, second, third)] == [(0, "he"), (0, "llo"), (0, "!")]
+    assert second[1].token_ids == [2, 1] and third[1].finish_reason == "stop"
+    assert tasks_reading == 1
+    assert cancelled == [("d0", "b")] and closed
