@@ -114,9 +114,7 @@ async def _interleaved(streams: list[AsyncIterator[list[TokenDelta]]]) -> AsyncI
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for s in streams:
-            aclose = getattr(s, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            await _aclose(s)
 
 
 class _Single:
@@ -132,6 +130,11 @@ class _Single:
         return 0, TokenDelta.concat(await self.stream.__anext__())
 
     async def aclose(self) -> None:
-        aclose = getattr(self.stream, "aclose", None)
-        if aclose is not None:
-            await aclose()
+        await _aclose(self.stream)
+
+
+async def _aclose(stream: AsyncIterator[Any]) -> None:
+    """Close a child stream (which aborts its request), if it can be closed."""
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        await aclose()
