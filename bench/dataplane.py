@@ -18,7 +18,11 @@ a step costs little and the path each token takes after the engine is what is me
             + stime from /proc/PID/stat around the load): Serve's proxy, router, decode and
             prefill replicas, Serve's controller, the rest of Ray (raylet, GCS, stats board), the
             client; and how many cores a decode replica's process and its engine thread kept
-            busy (its Python threads share one GIL and one core: the process near 1.0 is the limit)
+            busy (its Python threads share one GIL and one core: the process near 1.0 is the limit).
+            `burst`: when the first and the last stream got their first token, and the rate over
+            the middle half of the load's chunks (cluster/loadgen.py's burst_profile); `vs_steady`
+            is delivered over that rate: what taking the burst in (and the last streams ending)
+            costs the load
   ratio     delivered / engine alone at the same N (issue 32's target: >= 0.8), each the median
             of --repeats runs (3): one load lasts seconds, and this machine's speed moves by more
             than that between minutes (engine alone at 64 streams: 4,185 then 4,896 tok/s in two
@@ -55,7 +59,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cluster.loadgen import Workload, prompt_for, run_load, run_workload  # noqa: E402
+from cluster.loadgen import Workload, burst_profile, prompt_for, run_load, run_workload  # noqa: E402
 from local_cluster import ROOT, deployed, emit, local_ray, stdout_for_json_only  # noqa: E402
 from proc_cpu import cpu_seconds, machine_busy_s, ray_processes, thread_seconds  # noqa: E402
 from serve import machine, wait_http  # noqa: E402
@@ -193,8 +197,9 @@ def client_main(urls: list[str], model: str, streams: int, tokens: int) -> None:
     print("ready", flush=True)
     sys.stdin.readline()
     before = resource.getrusage(resource.RUSAGE_SELF)
-    summary, _ = run_load(run_workload(urls, model, workload))
+    summary, samples = run_load(run_workload(urls, model, workload))
     after = resource.getrusage(resource.RUSAGE_SELF)
+    summary["burst"] = burst_profile(samples)
     summary["client_cpu_s"] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     print(json.dumps(summary), flush=True)
 
@@ -317,6 +322,8 @@ def cluster(system: str, args: dict[str, Any], model: Path, streams: list[int], 
             for _ in range(repeats):
                 beside = alone.run(s) if alone is not None else None  # this minute's engine alone
                 runs.append(measure_load(urls, model.name, s, tokens, spy_dir))
+                steady = (runs[-1]["burst"] or {}).get("steady_tok_s")
+                runs[-1]["vs_steady"] = round(runs[-1]["out_tok_s"] / steady, 3) if steady else None
                 if beside is not None:
                     runs[-1]["engine_alone_beside_tok_s"] = beside["tok_s"]
                     runs[-1]["vs_engine_beside"] = round(runs[-1]["out_tok_s"] / beside["tok_s"], 3)

@@ -222,3 +222,22 @@ def latency_summary(samples: list[Sample], wall_s: float, concurrency: int | Non
         "tokens_per_chunk": round(tokens / chunks, 2) if chunks else None,
         **({"ttft_long_ms": {"p50": ms(percentile(long_ttfts, 50)), "max": ms(max(long_ttfts))}} if long_ttfts else {}),
     }
+
+
+def burst_profile(samples: list[Sample]) -> dict[str, Any] | None:
+    """How a burst (every request sent at once) fills: when its first and last streams got
+    their first token, counted from the first request sent, and the token rate over the middle
+    half of its chunks (neither the streams still starting nor the last ones ending). Delivered
+    tok/s over steady tok/s is what the start and the end of the load cost; None without text."""
+    ok = [s for s in samples if s.error is None and s.chunk_times]
+    if not ok:
+        return None
+    start = min(s.sent_at for s in ok)
+    firsts = sorted(s.chunk_times[0] - start for s in ok)
+    times = sorted(t for s in ok for t in s.chunk_times)
+    per_chunk = sum(s.completion_tokens for s in ok) / len(times)
+    lo, hi = times[len(times) // 4], times[(3 * len(times)) // 4]
+    steady = (len(times) // 2) * per_chunk / (hi - lo) if hi > lo else None
+    return {"first_token_s": {"first": round(firsts[0], 3), "p50": round(percentile(firsts, 50) or 0.0, 3),
+                              "last": round(firsts[-1], 3)},
+            "steady_tok_s": round(steady, 1) if steady is not None else None}

@@ -195,3 +195,24 @@ def test_long_prompts_are_new_to_the_server_on_every_run():
     assert len(long_first) == len(long_second) == 2
     assert len(set(long_first)) == 2 and not set(long_first) & set(long_second)
     assert [p for p in first if p not in long_first] == [p for p in second if p not in long_second]
+
+
+def test_a_burst_profile_reads_the_start_and_the_steady_rate_off_the_chunks():
+    """Four streams sent at t=10: the first gets its first token at 0.3 s, the last at 0.9 s;
+    then each carries a 2-token chunk every 10 ms for 4 s: 800 tok/s in the middle of the load,
+    all four sending, whatever the slow start (which the delivered rate pays for)."""
+    from cluster.loadgen import Workload, burst_profile
+
+    samples = []
+    for i, first in enumerate((0.3, 0.5, 0.7, 0.9)):
+        times = [10 + first + 0.01 * k for k in range(400)]
+        samples.append(Sample(prompt_words=3, sent_at=10 + 0.001 * i, chunk_times=times, completion_tokens=800,
+                              finish_reason="length"))
+    samples.append(Sample(prompt_words=3, sent_at=9.0, error="HTTP 500: boom"))  # not part of the burst's fill
+    profile = burst_profile(samples)
+    assert profile["first_token_s"] == {"first": 0.3, "p50": 0.5, "last": 0.9}
+    # the middle half of the chunks falls where every stream sends: 4 streams x 2 tokens / 10 ms
+    assert profile["steady_tok_s"] == pytest.approx(800, rel=0.05)
+    delivered = summarize(Workload("b", 4, 4, 800), samples[:4], wall_s=0.9 + 3.99)["out_tok_s"]
+    assert delivered < 0.85 * profile["steady_tok_s"]
+    assert burst_profile([Sample(prompt_words=3, error="timeout")]) is None
