@@ -12,8 +12,8 @@ costs both pools measure (plain values, no torch).
 
 A step costs `fixed + per_token x tokens` (engine/step_cost.py, each pool its own fit); the
 step that would carry R's prompt here is judged at what 9 recent steps in 10 cost over their fit
-(`StepCosts.tail`), since a few ms over the ITL SLO on a busy host is a stall every stream
-sees. The choice: of the placements that keep both SLOs, the one with the earlier first token, except that
+(`StepCosts.tail_step_s`: a share of a long step, a stall added to a short one's), since a few ms
+over the ITL SLO on a busy host is a stall every stream sees. The choice: of the placements that keep both SLOs, the one with the earlier first token, except that
 a prompt the streams' steps would carry in several cut steps goes remote when remote keeps the
 SLOs too (the prefill pool is there to spare the streams that stall; here it is the rescue for a
 prompt the pool's queue would make late); when neither keeps both, the one that breaks them
@@ -32,15 +32,21 @@ from cluster.engine.scheduler import prompt_room, steps_for
 
 @dataclass(frozen=True)
 class StepCosts:
-    """A pool's fitted step cost, seconds; `tail`: the factor 9 recent steps in 10 ran over
-    the fit (StepCost.tail)."""
+    """A pool's fitted step cost, seconds; what 9 recent steps in 10 ran over the fit: `tail`, a
+    factor (steps fitted at 10 ms or more), and `stall_s`, seconds (shorter steps): StepCost."""
 
     fixed_s: float
     per_token_s: float
     tail: float = 1.0
+    stall_s: float = 0.0
 
     def step_s(self, tokens: float) -> float:
         return self.fixed_s + self.per_token_s * tokens
+
+    def tail_step_s(self, tokens: float) -> float:
+        """A step of `tokens` as 9 in 10 ran lately: stretched by the tail, or stalled."""
+        step = self.step_s(tokens)
+        return max(step * self.tail, step + self.stall_s)
 
 
 @dataclass(frozen=True)
@@ -128,13 +134,13 @@ def local_steps(inp: PlacementInputs) -> tuple[int, int]:
 def estimate_local(inp: PlacementInputs) -> tuple[float, float]:
     """(TTFT, the streams' ITL meanwhile) if R is prefilled here: the queued prompts and R's run
     in steps of `step_budget` tokens (or fewer, cut to the ITL SLO), each also carrying a token
-    per running stream; the ITL at the replica's tail (StepCosts.tail), the TTFT at its fit."""
+    per running stream; the ITL at the replica's tail (StepCosts.tail_step_s), the TTFT at its fit."""
     d = inp.decode
     assert d is not None
     room, steps = local_steps(inp)
     prompt = inp.waiting_tokens + inp.uncached_tokens
     ttft = steps * d.fixed_s + d.per_token_s * (prompt + steps * inp.running)
-    itl = d.step_s(inp.running + min(prompt, room)) * d.tail
+    itl = d.tail_step_s(inp.running + min(prompt, room))
     return ttft, itl
 
 

@@ -192,6 +192,7 @@ class DecodeServer:
         trace.update(placement.trace())
         if inputs.decode is not None:
             trace["step_tail"] = round(inputs.decode.tail, 3)
+            trace["step_stall_ms"] = round(inputs.decode.stall_s * 1e3, 1)
         if placement.where == "remote":
             self._sent_since_report[rid] = (time.time(), uncached)
             return False

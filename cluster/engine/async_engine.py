@@ -187,12 +187,12 @@ class AsyncEngine:
         """Tokens of this prompt the prefix cache would serve now."""
         return self.engine.blocks.cached_prefix_len(prompt_token_ids, salt)
 
-    def step_costs(self) -> tuple[float, float, float] | None:
-        """(fixed, per_token) seconds of this engine's steps as fitted so far, and the factor 9
-        steps in 10 ran over the fit lately (StepCost.tail); None until known."""
+    def step_costs(self) -> tuple[float, float, float, float] | None:
+        """(fixed, per_token) seconds of this engine's steps as fitted so far, and what 9 steps in
+        10 ran over the fit lately (StepCost.tail, a factor; StepCost.stall_s); None until known."""
         cost = self.engine.step_cost
         fixed, per_token = cost.fixed_s, cost.per_token_s
-        return None if fixed is None or per_token is None else (fixed, per_token, cost.tail)
+        return None if fixed is None or per_token is None else (fixed, per_token, cost.tail, cost.stall_s)
 
     def extra_step_seconds(self, num_tokens: int) -> float | None:
         """What `num_tokens` more tokens would add to a step (this engine's measured cost per

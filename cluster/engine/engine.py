@@ -392,6 +392,7 @@ class LLMEngine:
             "step_s_per_token": self.step_cost.per_token_s,
             "step_fixed_s": self.step_cost.fixed_s,
             "step_tail": round(self.step_cost.tail, 3),
+            "step_stall_s": round(self.step_cost.stall_s, 4),
             "max_num_batched_tokens": self.config.scheduler.max_num_batched_tokens,
             **self.counters,
             **(self.speculator.stats() if self.speculator is not None else {}),

@@ -18,15 +18,22 @@ so a new replica knows its slope before its first request.
 
 The fit is a mean; a replica sharing its host with other processes runs some steps well over it
 (on the 2-core host of docs/performance.md, local prefills estimated at ~145 ms ran to ~180).
-`tail` is what 9 steps in 10 of the last TAIL_WINDOW kept to: the TAIL_QUANTILE of each step's
-seconds over what the fit said before it, at least 1. Placement by SLO scales the step that
-would carry a prompt here by it, so a prompt goes here only when its step keeps the ITL SLO in
-the tail too. A step's time over its fit is read against at least TAIL_FLOOR_S: a stall of a few
-ms is a share of a long step but not of a short one. Read against the fit alone, the ~1 ms steps
-of a tiny model that stalled now and then by a few tens of ms made the tail 28-38, and placement
-judged local prefill steps of 4-17 ms at 158-500 ms: a 64-request burst of bench/dataplane.py sent
-every prompt to the prefill pool. Steps of the default model on this project's 2-core host are
-fitted at 21 ms and more, over the floor: their tail reads as before.
+What 9 steps in 10 of the last TAIL_WINDOW kept to over the fit comes in two parts, by the
+length the fit gave each step:
+- `tail`, from steps fitted at TAIL_FLOOR_S or more: the TAIL_QUANTILE of their seconds over
+  the fit's, a factor, at least 1. A neighbour taking a share of the core stretches a step by
+  its length.
+- `stall_s`, from shorter steps: the TAIL_QUANTILE of their seconds over the fit, in seconds,
+  at least 0. A few ms of another thread holding the GIL, or of the loop taking a burst of
+  requests in, is a stall the step waits out whatever its length, not a share of it.
+Placement by SLO judges the step that would carry a prompt here at `tail_step_s`, the larger of
+the two read on it, so a prompt goes here only when its step keeps the ITL SLO in the tail too.
+Read as a share (of the fit, or of a floor of 10 ms), the stalls of a tiny model's ~1-7 ms steps
+made the tail 2.3-3.6 after a warm-up; placement scaled a 41 ms local prefill step by it to
+147 ms, and sent 36 of a 64-request burst's short prompts to the prefill pool (2026-11-30: the
+last first token 0.87 s, against 0.27-0.42 s with every prompt prefilled locally), where the
+streams' ITL p99 with all of them local was 26-30 ms. Steps of the default model on this
+project's 2-core host are fitted at 21 ms and more: their tail reads as before.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ MIN_SPREAD = 0.25  # weighted variance of tokens-per-step below which the slope 
 TAIL_WINDOW = 200  # steps whose cost over the fit `tail` reads
 TAIL_QUANTILE = 0.9
 MIN_TAIL_STEPS = 20  # fewer steps seen against a fit: `tail` is 1
-TAIL_FLOOR_S = 0.01  # a step's time over its fit is read as a share of at least this
+TAIL_FLOOR_S = 0.01  # steps fitted shorter: their time over the fit is a stall (seconds), not a share
 
 
 class StepCost:
@@ -56,7 +63,8 @@ class StepCost:
         self.fixed_s: float | None = None  # the fitted intercept, known with the slope
         self.resolved = False  # the window tells a token's cost from a step's (a slope > 0 found)
         self.steps = 0
-        self._over: deque[float] = deque(maxlen=TAIL_WINDOW)  # each step's 1 + (s over the fit) / max(fit, floor)
+        # each step's (seconds the fit gave it, seconds it took), once a fit was there to give them
+        self._seen: deque[tuple[float, float]] = deque(maxlen=TAIL_WINDOW)
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """One step that computed `num_tokens` tokens in `seconds` (engine thread)."""
@@ -66,7 +74,7 @@ class StepCost:
         if self.per_token_s is not None and self.fixed_s is not None:
             expected = self.fixed_s + self.per_token_s * x
             if expected > 0:
-                self._over.append(1.0 + (y - expected) / max(expected, TAIL_FLOOR_S))
+                self._seen.append((expected, y))
         self._w = self._w * d + 1.0
         self._x = self._x * d + x
         self._y = self._y * d + y
@@ -98,15 +106,27 @@ class StepCost:
 
     @property
     def tail(self) -> float:
-        """What 9 recent steps in 10 cost over the fit (a factor >= 1); 1 until MIN_TAIL_STEPS
-        steps were seen against a fit."""
-        over = list(self._over)  # a copy: the engine thread appends while others read
-        if len(over) < MIN_TAIL_STEPS:
-            return 1.0
-        over.sort()
-        return max(1.0, over[min(len(over) - 1, int(TAIL_QUANTILE * len(over)))])
+        """What 9 recent steps in 10 fitted at TAIL_FLOOR_S or more took over the fit (a factor
+        >= 1); 1 until MIN_TAIL_STEPS such steps were seen against a fit."""
+        seen = list(self._seen)  # a copy: the engine thread appends while others read
+        return max(1.0, _quantile([y / fit for fit, y in seen if fit >= TAIL_FLOOR_S], 1.0))
+
+    @property
+    def stall_s(self) -> float:
+        """What 9 recent steps in 10 fitted under TAIL_FLOOR_S took over the fit, in seconds (>= 0);
+        0 until MIN_TAIL_STEPS such steps were seen against a fit."""
+        seen = list(self._seen)
+        return max(0.0, _quantile([y - fit for fit, y in seen if fit < TAIL_FLOOR_S], 0.0))
 
     def extra_seconds(self, num_tokens: int) -> float | None:
         """What `num_tokens` more tokens would add to a step; None while the slope is unknown."""
         per_token = self.per_token_s
         return None if per_token is None else per_token * num_tokens
+
+
+def _quantile(values: list[float], default: float) -> float:
+    """TAIL_QUANTILE of `values`; `default` below MIN_TAIL_STEPS of them."""
+    if len(values) < MIN_TAIL_STEPS:
+        return default
+    values.sort()
+    return values[min(len(values) - 1, int(TAIL_QUANTILE * len(values)))]

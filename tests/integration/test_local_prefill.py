@@ -35,6 +35,7 @@ class FixedCost:
     def __init__(self, per_token_s: float | None) -> None:
         self.per_token_s = per_token_s
         self.tail = 1.0
+        self.stall_s = 0.0
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         pass
@@ -194,6 +195,13 @@ def test_with_slos_each_prompt_is_prefilled_where_the_estimates_keep_them(slo_po
         assert trace["placement"] == "remote" and trace["kv"] == "landed", trace
         assert trace["step_tail"] == 1.5 and trace["local_itl_ms"] == pytest.approx(60.0)
         engine.step_cost.tail = 1.0
+        # its steps stalled 15 ms (9 in 10): 55 ms, over the SLO too; 5 ms: 45 ms, here again
+        for stall_s, where in ((0.015, "remote"), (0.005, "local")):
+            engine.step_cost.stall_s = stall_s
+            _, trace = generate(slo_pools, f"short-stalled-{stall_s}", short)
+            assert trace["placement"] == where and trace["step_stall_ms"] == stall_s * 1e3, trace
+            assert trace["local_itl_ms"] == pytest.approx(40.0 + stall_s * 1e3)
+        engine.step_cost.stall_s = 0.0
         # the prefill pool's queue fills up (2,000 shorter tokens ahead): the long one stays here now
         decode.observe_prefill_pool([{**pool[0], "queued_work": [50] * 40}])
         _, trace = generate(slo_pools, "long-busy-pool", [(17 * i) % 500 + 3 for i in range(60)])
@@ -201,7 +209,7 @@ def test_with_slos_each_prompt_is_prefilled_where_the_estimates_keep_them(slo_po
     finally:
         engine.step_cost = real_fit
     stats = run(decode.stats())
-    assert stats["prefilled_locally_slo"] == 2 and stats["blocks_in_use"] == 0
+    assert stats["prefilled_locally_slo"] == 3 and stats["blocks_in_use"] == 0  # short, short-stalled-0.005, long-busy-pool
     assert run(slo_pools["prefill"].stats())["blocks_in_use"] == 0
 
 

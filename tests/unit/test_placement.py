@@ -65,6 +65,19 @@ def test_a_prompt_whose_step_keeps_the_itl_slo_on_the_fit_but_not_in_the_replica
     assert p.local_ttft_s == place(inputs(100), TTFT_SLO, ITL_SLO).local_ttft_s
 
 
+def test_a_stall_of_short_steps_is_added_to_a_prompts_step_not_multiplied_into_it():
+    # a tiny model's replica: 7 ms steps at 64 streams, whose 9 in 10 stalled up to 26 ms; a
+    # burst's 400 queued prompt tokens make a 40 ms step beside the streams
+    tiny = StepCosts(0.001, 0.0001, stall_s=0.026)
+    p = place(inputs(25, decode=tiny, running=64, waiting_tokens=375), TTFT_SLO, ITL_SLO)
+    assert p.local_itl_s == pytest.approx(tiny.step_s(64 + 400) + 0.026)  # 73 ms, not 3.6x 47 ms
+    assert p.where == "local"
+    # a long step on a host that stretches steps 1.2x: the larger of the two reads
+    both = StepCosts(0.030, 0.001, tail=1.2, stall_s=0.010)
+    assert both.tail_step_s(108) == pytest.approx(0.138 * 1.2)
+    assert both.tail_step_s(0) == pytest.approx(0.030 + 0.010)
+
+
 def test_a_short_prompt_behind_a_long_prefill_queue_stays_local():
     p = place(inputs(30, queued=[25] * 60), TTFT_SLO, ITL_SLO)  # 1,500 shorter tokens queued there
     assert p.where == "local" and p.remote_ttft_s > TTFT_SLO and p.local_itl_s <= ITL_SLO

@@ -76,26 +76,37 @@ def test_the_tail_is_what_one_step_in_ten_runs_over_the_fit():
     assert fit.per_token_s is not None and fit.extra_seconds(40) == pytest.approx(0.040, rel=0.3)  # the fit stays a mean
 
 
-def test_a_stall_on_a_step_shorter_than_the_floor_counts_against_the_floor():
+def test_a_stall_on_a_step_shorter_than_the_floor_is_read_in_seconds_not_as_a_share():
     # a tiny model's ~1 ms steps, one in five stalled by 4 ms: a stall, not a 5x slower host
     fit, rng = StepCost(), random.Random(2)
     for i in range(400):
         n = 1 + i % 16
         fit.observe(n, 0.0005 + 0.00005 * n + (0.004 if rng.random() < 0.2 else 0.0))
-    assert fit.tail == pytest.approx(1 + 0.004 / TAIL_FLOOR_S, rel=0.1)  # ~1.4, not ~5
+    assert fit.stall_s == pytest.approx(0.004 - 0.2 * 0.004, rel=0.1)  # (the fit, a mean, took in a fifth of them)
+    assert fit.tail == 1.0  # no step long enough to be stretched
+    # the long steps of the same engine (a local prefill): stretched 1.5x one time in five
+    for i in range(400):
+        n = 200 + i % 16
+        fit.observe(n, (0.0005 + 0.00005 * n) * (1.5 if rng.random() < 0.2 else 1.0))
+    assert fit.tail == pytest.approx(1.5, rel=0.1)
 
 
 def test_the_tail_is_one_until_enough_steps_were_seen_against_a_fit_and_never_below():
     fit = StepCost()
     for _ in range(100):  # one size: no fit, nothing to measure the steps against
         fit.observe(1, 0.05)
-    assert fit.per_token_s is None and fit.tail == 1.0
+    assert fit.per_token_s is None and fit.tail == 1.0 and fit.stall_s == 0.0
     fit.observe(17, 0.05 + 0.016)
     for _ in range(MIN_TAIL_STEPS - 2):
         fit.observe(17, 0.2)  # far over: but too few steps to say so yet
-    assert fit.tail == 1.0
+    assert fit.tail == 1.0 and fit.stall_s == 0.0
     fast = StepCost()
     for i in range(300):  # a host that speeds up: steps under the fit
         n = 1 + i % 16
         fast.observe(n, (0.02 + 0.001 * n) * (1.0 if i < 100 else 0.7))
     assert fast.tail == 1.0
+    quick = StepCost()
+    for i in range(300):  # the same with steps under the floor: no stall
+        n = 1 + i % 16
+        quick.observe(n, (0.0005 + 0.00005 * n) * (1.0 if i < 100 else 0.7))
+    assert quick.stall_s == 0.0
