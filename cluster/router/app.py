@@ -302,16 +302,22 @@ class RouterDeployment:
             return error_response(APIError(500, f"internal error: {type(exc).__name__}", type_="internal_error"))
 
     async def _admit(self) -> None:
-        """Take a slot for one request (`_release` gives it back), or refuse it with a 503."""
+        """Take a slot for one request (`_release` gives it back), or refuse it with a 503. The
+        slot is taken before the look at the pools awaits (a router's first requests wait on it):
+        a burst that arrives meanwhile finds it taken, not `max_concurrent_requests` all free."""
         limit = self.config.max_concurrent_requests
         if limit is not None and self.active >= limit:
             self._reject(APIError(503, "the server is at capacity; retry later", type_="server_error",
                                   code="overloaded", headers={"Retry-After": "1"}))
-        empty = await self._empty_pool()
-        if empty is not None:  # a call into it would wait for a replica that may never come
-            self._reject(APIError(503, f"no {empty} replica is running; retry later", type_="server_error",
-                                  code="pool_unavailable", headers={"Retry-After": "1"}))
         self.active += 1
+        try:
+            empty = await self._empty_pool()
+            if empty is not None:  # a call into it would wait for a replica that may never come
+                self._reject(APIError(503, f"no {empty} replica is running; retry later", type_="server_error",
+                                      code="pool_unavailable", headers={"Retry-After": "1"}))
+        except BaseException:
+            self.active -= 1
+            raise
 
     def _release(self) -> None:
         self.active -= 1

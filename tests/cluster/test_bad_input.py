@@ -254,37 +254,45 @@ def test_overload_beyond_the_limit_is_a_fast_503_and_admitted_requests_finish(se
 
     url = serve_url
 
-    # one sequence at a time on the engine and 4 samples of 150 tokens per request, so three
-    # requests stay in flight for seconds even on the tiny model (1,800 steps one after another)
+    # one sequence at a time on the engine and 4 samples of 300 tokens per request, so three
+    # requests stay in flight for seconds even on the tiny model (3,600 steps one after another)
     args = app_args(str(tiny_model_paths["llama"]), max_concurrent_requests=3)
     args["engine"] = {**args["engine"], "max_num_seqs": 1}
     app(args)
-    long = chat(max_tokens=150, ignore_eos=True, temperature=0, n=4)
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        def admitted(_):
-            status, _, raw = request(url, "POST", CHAT, long)
-            return status, time.monotonic(), raw
-        running = [pool.submit(admitted, i) for i in range(3)]
+    long = chat(max_tokens=300, ignore_eos=True, temperature=0, n=4)
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        def sent(_):
+            status, headers, raw = request(url, "POST", CHAT, long)
+            return status, time.monotonic(), raw, headers
+        # five at once to a router that has not looked at its pools yet (its first requests wait
+        # on that look): three are admitted, two refused, not all five let through meanwhile
+        submitted = time.time()
+        burst = [pool.submit(sent, i) for i in range(5)]
         deadline, seen = time.monotonic() + 30, []
-        while True:  # all three are inside the server: the board read as it is, every 0.1 s (the
-            # previous app's replicas linger on it, idle, for its staleness window; waiting for
-            # them to leave, a fast host had finished the requests before the first look)
-            busy = sum(d.get("num_running", 0) + d.get("num_waiting", 0) for d in fetch_stats(url))
-            if busy > 2 * 4:  # more than two requests' samples
-                break
+        while True:  # the three admitted are inside the server: the board read every 0.1 s, its
+            # posts made since the burst was sent (the previous app's replicas linger on it for its
+            # staleness window, their last posts as they were) and within the last 0.3 s
+            now = time.time()
+            busy = sum(d.get("num_running", 0) + d.get("num_waiting", 0) for d in fetch_stats(url)
+                       if submitted < d.get("posted_at", 0) > now - 0.3)
+            if busy >= 10:  # at most two of the twelve samples done: each request has 300+ steps
+                break       # left, longer than the board's lag and the next request's way in
             seen.append(busy)
-            done = [f.result()[::2] for f in running if f.done()]  # (an answer already: not in flight)
-            assert not done and time.monotonic() < deadline, \
-                f"the three requests never were in flight together: {seen[-20:]}, answered: {done}"
+            assert time.monotonic() < deadline, f"three requests never were in flight together: {seen[-20:]}"
             time.sleep(0.1)
+        refused_first = [f.result() for f in burst if f.done() and f.result()[0] == 503]
         t0 = time.monotonic()
         status, headers, raw = request(url, "POST", CHAT, chat())
         refused_at = time.monotonic()
-        results = [f.result() for f in running]
+        outcomes = [f.result() for f in burst]
+    results = [(s, t, raw_) for s, t, raw_, _ in outcomes if s == 200]
+    assert len(results) == 3 and len(refused_first) == 2, [s for s, *_ in outcomes]
+    assert all(h.get("retry-after") == "1" and json.loads(r)["error"]["code"] == "overloaded"
+               for _, _, r, h in refused_first)
     assert status == 503 and headers.get("retry-after") == "1", (status, raw)
     assert json.loads(raw)["error"]["code"] == "overloaded"
     assert refused_at - t0 < 0.5  # refused at once, not queued
     for status, _, body in results:  # what was admitted still completes, untouched
-        assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 4 * 150
+        assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 4 * 300
     assert max(finished for _, finished, _ in results) > refused_at
     assert request(url, "POST", CHAT, chat())[0] == 200  # room again
