@@ -16,9 +16,11 @@ step that would carry R's prompt here is judged at what 9 recent steps in 10 cos
 over the ITL SLO on a busy host is a stall every stream sees. The choice: of the placements that keep both SLOs, the one with the earlier first token, except that
 a prompt the streams' steps would carry in several cut steps goes remote when remote keeps the
 SLOs too (the prefill pool is there to spare the streams that stall; here it is the rescue for a
-prompt the pool's queue would make late); when neither keeps both, the one that breaks them
-least (the larger of TTFT / TTFT SLO and ITL / ITL SLO). Unknown costs (a pool not measured
-yet): remote, as without SLOs.
+prompt the pool's queue would make late); when neither keeps both, the one that breaks fewer
+requests' SLOs (here: every running stream whose ITL R's steps would break, and R if its first
+token is late; there: R if late), and of two that break as many, the one that breaks them least
+(the larger of TTFT / TTFT SLO and ITL / ITL SLO). Unknown costs (a pool not measured yet):
+remote, as without SLOs.
 """
 
 from __future__ import annotations
@@ -171,6 +173,12 @@ def place(inp: PlacementInputs, ttft_slo_s: float | None, itl_slo_s: float | Non
         return Placement(where, "both keep the SLOs: the earlier first token", **seen)
     if local_ok or remote_ok:
         return Placement("local" if local_ok else "remote", "only this one keeps the SLOs", **seen)
+    # Neither keeps both. There, one request's SLO breaks: R's first token is late. Here, R's if
+    # late, and the ITL of every stream R's slow steps carry (with none running, the stream that
+    # arrives meanwhile counts as one): a stall of 16 streams is not one breach.
+    broken_here = int(local_ttft > ttft_slo) + (max(inp.running, 1) if local_itl > itl_slo else 0)
+    if broken_here > 1:
+        return Placement("remote", "neither keeps the SLOs: here would break more requests", **seen)
     local_breach = max(local_ttft / ttft_slo, local_itl / itl_slo)
     remote_breach = max(remote_ttft / ttft_slo, itl_now / itl_slo)
     return Placement("local" if local_breach < remote_breach else "remote", "neither keeps the SLOs: the smaller breach",

@@ -83,14 +83,33 @@ def test_a_short_prompt_behind_a_long_prefill_queue_stays_local():
     assert p.where == "local" and p.remote_ttft_s > TTFT_SLO and p.local_itl_s <= ITL_SLO
 
 
-def test_when_neither_keeps_the_slos_the_smaller_breach_wins():
-    # the pool's queue breaks TTFT 3x; locally the streams' ITL grows past its SLO by less
+def test_when_neither_keeps_the_slos_a_stall_of_many_streams_is_not_traded_for_one_first_token():
+    # the pool's queue breaks the TTFT SLO 3.5x; here the first token is on time, but the prompt's
+    # step breaks the ITL SLO of 16 streams (by less: 1.3x). One late first token against 16
+    # breaches: remote
     p = place(inputs(150, queued=[100] * 30, running=16), TTFT_SLO, ITL_SLO)
-    assert p.reason.startswith("neither")
-    assert p.where == "local" and p.local_itl_s / ITL_SLO < p.remote_ttft_s / TTFT_SLO
-    # and the other way: a prompt so long that prefilling it here breaks the streams' ITL worst
+    assert p.local_ttft_s <= TTFT_SLO < p.remote_ttft_s and p.local_itl_s > ITL_SLO >= p.itl_s
+    assert p.local_itl_s / ITL_SLO < p.remote_ttft_s / TTFT_SLO  # the smaller breach is here's
+    assert p.where == "remote" and p.reason == "neither keeps the SLOs: here would break more requests"
+    # a prompt so long that prefilling it here breaks its own first token and the streams' ITL
     p = place(inputs(3000, running=16), TTFT_SLO, ITL_SLO)  # ~3 s of prefill anywhere
     assert p.where == "remote" and p.reason.startswith("neither")
+
+
+def test_when_neither_keeps_the_slos_and_both_break_one_request_the_smaller_breach_wins():
+    # the same prompt beside one stream: its ITL against the prompt's first token, one each
+    p = place(inputs(150, queued=[100] * 30, running=1), TTFT_SLO, ITL_SLO)
+    assert p.local_itl_s > ITL_SLO and p.remote_ttft_s > TTFT_SLO >= p.local_ttft_s
+    assert p.where == "local" and p.reason == "neither keeps the SLOs: the smaller breach"
+    # no stream running: the prompt's long step delays the one that arrives meanwhile, as one
+    p = place(inputs(250, queued=[100] * 30, running=0, decode=StepCosts(0.030, 0.001, tail=1.5)), TTFT_SLO, ITL_SLO)
+    assert p.local_itl_s > ITL_SLO and p.where == "local" and p.reason.endswith("the smaller breach")
+    # both first tokens late, the streams' ITL kept here (steps cut to it): one each, the later
+    # first token loses
+    p = place(capped(100, waiting_tokens=3000, queued=[100] * 40, running=8), TTFT_SLO, ITL_SLO)
+    assert p.local_ttft_s > TTFT_SLO and p.remote_ttft_s > TTFT_SLO and p.local_itl_s <= ITL_SLO
+    assert p.reason.endswith("the smaller breach")
+    assert p.where == ("local" if p.local_ttft_s < p.remote_ttft_s else "remote")
 
 
 def test_the_trace_shows_the_decision_and_its_inputs():
