@@ -17,8 +17,8 @@ over the ITL SLO on a busy host is a stall every stream sees. The choice: of the
 a prompt the streams' steps would carry in several cut steps goes remote when remote keeps the
 SLOs too (the prefill pool is there to spare the streams that stall; here it is the rescue for a
 prompt the pool's queue would make late); when neither keeps both, the one that breaks fewer
-requests' SLOs (here: every running stream whose ITL R's steps would break, and R if its first
-token is late; there: R if late), and of two that break as many, the one that breaks them least
+requests' SLOs (here: every stream whose ITL R's steps would break, those decoding and those
+bound here, queued or their KV on its way, and R if its first token is late; there: R if late), and of two that break as many, the one that breaks them least
 (the larger of TTFT / TTFT SLO and ITL / ITL SLO). Unknown costs (a pool not measured yet):
 remote, as without SLOs.
 """
@@ -102,6 +102,8 @@ class PlacementInputs:
     #                   calls to the pool and back, the KV's send and receive
     max_step_s: float = 0.0  # the engine's cap on a step while streams decode (0: none)
     chunk: int = 0  # one prompt's tokens in a step at most here (long_prefill_token_threshold); 0: step_budget
+    coming: int = 0  # requests bound for this replica not decoding yet: queued here, or their KV on its
+    #                  way from the prefill pool (they join the streams R's steps would stall)
 
 
 @dataclass(frozen=True)
@@ -174,9 +176,10 @@ def place(inp: PlacementInputs, ttft_slo_s: float | None, itl_slo_s: float | Non
     if local_ok or remote_ok:
         return Placement("local" if local_ok else "remote", "only this one keeps the SLOs", **seen)
     # Neither keeps both. There, one request's SLO breaks: R's first token is late. Here, R's if
-    # late, and the ITL of every stream R's slow steps carry (with none running, the stream that
-    # arrives meanwhile counts as one): a stall of 16 streams is not one breach.
-    broken_here = int(local_ttft > ttft_slo) + (max(inp.running, 1) if local_itl > itl_slo else 0)
+    # late, and the ITL of every stream R's slow steps would carry: those decoding and those bound
+    # here that join them meanwhile (with neither, the one that arrives counts): a stall of 16
+    # streams is not one breach.
+    broken_here = int(local_ttft > ttft_slo) + (max(inp.running + inp.coming, 1) if local_itl > itl_slo else 0)
     if broken_here > 1:
         return Placement("remote", "neither keeps the SLOs: here would break more requests", **seen)
     local_breach = max(local_ttft / ttft_slo, local_itl / itl_slo)

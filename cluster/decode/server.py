@@ -239,7 +239,8 @@ class DecodeServer:
         waiting = load.waiting_tokens + sum(self._placing_here.values())
         return PlacementInputs(uncached, StepCosts(*costs) if costs else None, load.num_running, waiting,
                                self.config.engine.scheduler.max_num_batched_tokens, pool, self._handoff_s,
-                               self._max_step_s, self._prompt_chunk)
+                               self._max_step_s, self._prompt_chunk,
+                               coming=load.num_waiting + len(self._placing_here))
 
     async def _remote_prefill(self, rid: str, prompt: list[int], params: SamplingParams,
                               prefill: PrefillClient, trace: dict[str, Any]) -> None:

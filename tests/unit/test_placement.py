@@ -102,8 +102,14 @@ def test_when_neither_keeps_the_slos_and_both_break_one_request_the_smaller_brea
     assert p.local_itl_s > ITL_SLO and p.remote_ttft_s > TTFT_SLO >= p.local_ttft_s
     assert p.where == "local" and p.reason == "neither keeps the SLOs: the smaller breach"
     # no stream running: the prompt's long step delays the one that arrives meanwhile, as one
-    p = place(inputs(250, queued=[100] * 30, running=0, decode=StepCosts(0.030, 0.001, tail=1.5)), TTFT_SLO, ITL_SLO)
+    idle = inputs(250, queued=[100] * 30, running=0, decode=StepCosts(0.030, 0.001, tail=1.5))
+    p = place(idle, TTFT_SLO, ITL_SLO)
     assert p.local_itl_s > ITL_SLO and p.where == "local" and p.reason.endswith("the smaller breach")
+    # but with requests bound here (queued, or their KV on its way from the pool), they join the
+    # streams its steps stall: the pool
+    import dataclasses
+    p = place(dataclasses.replace(idle, coming=6), TTFT_SLO, ITL_SLO)
+    assert p.where == "remote" and p.reason == "neither keeps the SLOs: here would break more requests"
     # both first tokens late, the streams' ITL kept here (steps cut to it): one each, the later
     # first token loses
     p = place(capped(100, waiting_tokens=3000, queued=[100] * 40, running=8), TTFT_SLO, ITL_SLO)
