@@ -18,9 +18,9 @@ a prompt the streams' steps would carry in several cut steps goes remote when re
 SLOs too (the prefill pool is there to spare the streams that stall; here it is the rescue for a
 prompt the pool's queue would make late); when neither keeps both, the one that breaks fewer
 requests' SLOs (here: every stream whose ITL R's steps would break, those decoding and those
-bound here, queued or their KV on its way, and R if its first token is late; there: R if late), and of two that break as many, the one that breaks them least
-(the larger of TTFT / TTFT SLO and ITL / ITL SLO). Unknown costs (a pool not measured yet):
-remote, as without SLOs.
+bound here, queued or their KV on its way, and R if its first token is late; there: R if
+late), and of two that break as many, the one that breaks them least (the larger of TTFT /
+TTFT SLO and ITL / ITL SLO). Unknown costs (a pool not measured yet): remote, as without SLOs.
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def place(inp: PlacementInputs, ttft_slo_s: float | None, itl_slo_s: float | Non
         return Placement("local" if local_ok else "remote", "only this one keeps the SLOs", **seen)
     # Neither keeps both. There, one request's SLO breaks: R's first token is late. Here, R's if
     # late, and the ITL of every stream R's slow steps would carry: those decoding and those bound
-    # here that join them meanwhile (with neither, the one that arrives counts): a stall of 16
+    # here that join them meanwhile (with none, the one that arrives counts): a stall of 16
     # streams is not one breach.
     broken_here = int(local_ttft > ttft_slo) + (max(inp.running + inp.coming, 1) if local_itl > itl_slo else 0)
     if broken_here > 1:

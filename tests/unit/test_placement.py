@@ -1,6 +1,8 @@
 """Placement by SLO (cluster/decode/placement.py) with pinned step costs: each branch of the
 decision, and the estimates it rests on worked out by hand."""
 
+import dataclasses
+
 import pytest
 
 from cluster.decode.placement import PlacementInputs, PrefillPoolView, StepCosts, estimate_local, estimate_remote, place
@@ -107,7 +109,6 @@ def test_when_neither_keeps_the_slos_and_both_break_one_request_the_smaller_brea
     assert p.local_itl_s > ITL_SLO and p.where == "local" and p.reason.endswith("the smaller breach")
     # but with requests bound here (queued, or their KV on its way from the pool), they join the
     # streams its steps stall: the pool
-    import dataclasses
     p = place(dataclasses.replace(idle, coming=6), TTFT_SLO, ITL_SLO)
     assert p.where == "remote" and p.reason == "neither keeps the SLOs: here would break more requests"
     # both first tokens late, the streams' ITL kept here (steps cut to it): one each, the later
@@ -125,7 +126,6 @@ def test_the_trace_shows_the_decision_and_its_inputs():
 
 def capped(uncached: int, **kw) -> PlacementInputs:
     """The same inputs from an engine that cuts its steps to the ITL SLO while streams decode."""
-    import dataclasses
     return dataclasses.replace(inputs(uncached, **kw), max_step_s=ITL_SLO)
 
 
