@@ -375,3 +375,11 @@ def test_seeded_sampling_gives_the_colocated_tokens_after_a_hand_off_a_recompute
     k = 5  # a stream migrated after 5 tokens: the prompt now ends with them
     moved = SamplingParams(temperature=1.0, top_k=50, max_tokens=16 - k, seed=77, ignore_eos=True, prior_output_tokens=k)
     assert token_ids(LLM(folder).generate([prompt + expected[:k]], moved))[0] == expected[k:]
+
+
+def test_a_cpu_kv_cache_larger_than_the_nodes_memory_fails_the_engine_by_name(tiny_model_paths):
+    """Four times this machine's memory for the KV cache: the engine refuses it at start-up naming
+    the option, instead of the kernel ending the replica part-way through zero-filling it."""
+    total = int(next(line for line in open("/proc/meminfo") if line.startswith("MemTotal:")).split()[1]) * 1024
+    with pytest.raises(ValueError, match=r"cpu_kv_cache_bytes=\d+: [\d.]+ GiB\) does not fit"):
+        LLM(str(tiny_model_paths["llama"]), cpu_kv_cache_bytes=4 * total)
