@@ -13,7 +13,9 @@
   CPU, float32 W that is 4- or 8-bit blocks exactly (a checkpoint converted from a quantized
       GGUF, such as the default model): the blocks are kept too, and products of up to
       `block_weights.MAX_ROWS` rows (decode steps) read them instead, 0.75 or 1.125 bytes a
-      weight instead of 4, in float32 arithmetic (kernels/block_weights.py).
+      weight instead of 4, in float32 arithmetic (kernels/block_weights.py). Beside a bf16 W
+      (a CPU engine in bf16) they serve products of up to `MAX_ROWS_BESIDE_BF16` rows, where
+      oneDNN's bf16 kernel for few rows is half their speed: one stream's decode steps.
 
 The packed weight is opaque: code that needs W itself (a tied embedding) keeps its own copy.
 """
@@ -95,15 +97,18 @@ class Linear:
                  pack: bool | None = None, shared: bool = False, blocks: BlockWeight | None = None) -> None:
         """`weight_out_in`: [out, in], as HF checkpoints store it. `pack`: None = when it helps.
         `shared`: the tensor is also used elsewhere (a tied embedding): unpacked, multiply by a
-        transposed view of it instead of a copy. `blocks`: the same float32 weights as blocks
-        (block_weights.pack_exact), for products of few rows."""
+        transposed view of it instead of a copy. `blocks`: float32 weights as blocks
+        (block_weights.pack_exact), for products of few rows: W's, or those W is the bf16
+        rounding of (a CPU engine in bf16)."""
         w = weight_out_in
         self.in_features, self.out_features = w.shape[1], w.shape[0]
         self.dtype = w.dtype  # what the product is computed in; x of another dtype is cast to it
         self.bias = bias
-        if blocks is not None and (blocks.shape != tuple(w.shape) or w.dtype != torch.float32):
-            raise ValueError(f"blocks {blocks.shape} do not hold this float32 weight {tuple(w.shape)} {w.dtype}")
+        if blocks is not None and (blocks.shape != tuple(w.shape) or w.dtype not in (torch.float32, torch.bfloat16)):
+            raise ValueError(f"blocks {blocks.shape} do not hold this weight {tuple(w.shape)} {w.dtype}")
         self.blocks = blocks
+        self.block_rows = 0 if blocks is None else blocks.rows_beside(w.dtype)  # products of up to
+        #                                                                         this many rows read them
         if pack is None:
             pack = w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16) and onednn_packing(w.dtype)
         self.packed = pack
@@ -114,11 +119,12 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] → [T, out], in x's dtype."""
+        if self.blocks is not None and x.shape[0] <= self.block_rows:  # float32 arithmetic, float32 weights
+            y = self.blocks.matmul(x.float())
+            y = y if self.bias is None else y.add_(self.bias)
+            return y.to(x.dtype)
         if x.dtype != self.dtype:  # bf16 weights beside float32 activations (a CPU engine's bfloat16)
             return self(x.to(self.dtype)).to(x.dtype)
-        if self.blocks is not None and x.shape[0] <= self.blocks.max_rows:
-            y = self.blocks.matmul(x)
-            return y if self.bias is None else y.add_(self.bias)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)
@@ -139,18 +145,22 @@ class RefinedHead:
     float32 weights. oneDNN's bf16 product comes out rounded to bf16 (steps of 0.125 near 25),
     which ties a first choice with its runner-up; recomputed, the argmax and the leading logprobs
     are float32's, and only the tail keeps bf16's rounding. On the 2-core AVX-512 host, 16 rows
-    of the default model's head: 3.7 ms + 0.7 ms to refine, against 7.0 ms in packed fp32."""
+    of the default model's head: 3.7 ms + 0.7 ms to refine, against 7.0 ms in packed fp32. With
+    `blocks` of the float32 weights, a product of few rows reads those instead (Linear), its
+    logits float32's throughout."""
 
-    def __init__(self, weight_out_in: torch.Tensor, refine: int = 16) -> None:
+    def __init__(self, weight_out_in: torch.Tensor, refine: int = 16, blocks: BlockWeight | None = None) -> None:
         """`weight_out_in`: float32 [V, H], kept as is (a tied embedding's table: shared)."""
         self.exact = weight_out_in
-        self.fast = Linear(weight_out_in.to(torch.bfloat16))
+        self.fast = Linear(weight_out_in.to(torch.bfloat16), blocks=blocks)
         self.refine = min(refine, weight_out_in.shape[0])
         self.in_features, self.out_features = self.fast.in_features, self.fast.out_features
 
     def float_out(self, x: torch.Tensor) -> torch.Tensor:
         """x float32 [S, H] → float32 logits [S, V]."""
         logits = self.fast(x)
+        if self.fast.blocks is not None and x.shape[0] <= self.fast.block_rows:  # float32's already
+            return logits
         top = leading(logits, self.refine)  # [S, k]
         return logits.scatter_(1, top, torch.einsum("sh,skh->sk", x, self.exact[top]))
 

@@ -58,9 +58,10 @@ def load_model(folder: str | Path, arch: Architecture, ops: KernelOps, dtype: to
         """HF stores [out, in] (fused along out); `Linear` holds it the fastest way for the device."""
         b = fuse(*bias, required=False) if bias else None
         w = fuse(*keys)
+        exact = blocks(w)  # of the float32 weights, before any bf16 copy
         if matmul_dtype is not None:
             w, b = w.to(matmul_dtype), None if b is None else b.to(matmul_dtype)  # type: ignore[union-attr]
-        return Linear(w, b, blocks=blocks(w))  # type: ignore[arg-type]
+        return Linear(w, b, blocks=exact)  # type: ignore[arg-type]
 
     def blocks(w: torch.Tensor):  # the weights' 4/8-bit blocks, where they are exactly that
         return pack_exact(w) if ops.block_weights else None
@@ -83,12 +84,13 @@ def load_model(folder: str | Path, arch: Architecture, ops: KernelOps, dtype: to
     if arch.tie_word_embeddings:
         raw.pop("lm_head.weight", None)  # some checkpoints also save the tied copy
         if matmul_dtype is not None:
-            lm_head = RefinedHead(embed)  # type: ignore[arg-type]
+            lm_head = RefinedHead(embed, blocks=blocks(embed))  # type: ignore[arg-type]
         else:
             lm_head = Linear(embed, shared=True, blocks=blocks(embed))  # packed, it is a copy: a packed
                                                                          # head cannot be indexed
     elif matmul_dtype is not None:
-        lm_head = RefinedHead(take("lm_head.weight"))  # type: ignore[arg-type]
+        head = take("lm_head.weight")
+        lm_head = RefinedHead(head, blocks=blocks(head))  # type: ignore[arg-type]
     else:
         lm_head = proj("lm_head.weight")
     weights = ModelWeights(embed=embed, layers=layers, norm=take("model.norm.weight"), lm_head=lm_head)

@@ -15,7 +15,7 @@ import torch
 
 from cluster.models.linear import Linear, _cpu_identity
 from kernels import CPU_OPS, cpu_paged_attention
-from kernels.block_weights import BlockWeight, pack_exact
+from kernels.block_weights import MAX_ROWS_BESIDE_BF16, BlockWeight, pack_exact
 
 pytestmark = pytest.mark.skipif(not cpu_paged_attention.available(), reason="no C compiler: no CPU kernels here")
 
@@ -88,6 +88,48 @@ def test_a_product_through_the_blocks_is_float32s(make, rows, out, monkeypatch):
     assert calls == ([rows] if rows <= blocks.max_rows else [])  # few rows read the blocks; more, oneDNN
 
 
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_beside_bf16_weights_one_streams_rows_read_the_blocks_in_float32_and_more_rows_bf16(x_dtype, monkeypatch):
+    """A CPU engine in bf16 (oneDNN's bf16 kernel for few rows at half the blocks' speed): a
+    product of up to MAX_ROWS_BESIDE_BF16 rows is float32's, from the blocks, in x's dtype; one
+    of more rows is the bf16 weights' product, the blocks untouched."""
+    w = q4_1(96, 192)
+    blocks = pack_exact(w)
+    calls = []
+    real = BlockWeight.matmul
+    monkeypatch.setattr(BlockWeight, "matmul", lambda self, x: calls.append(x.shape[0]) or real(self, x))
+    bf16 = Linear(w.bfloat16(), blocks=blocks)
+    for rows in range(1, MAX_ROWS_BESIDE_BF16 + 3):
+        x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows)).to(x_dtype)
+        got = bf16(x)
+        assert got.dtype == x_dtype and got.shape == (rows, 96)
+        if rows <= MAX_ROWS_BESIDE_BF16:
+            assert torch.equal(got, real(blocks, x.float()).to(x_dtype))  # the float32 Linear's product
+            assert calls.pop() == rows
+        else:
+            exact = x.float() @ w.t()
+            assert (got.float() - exact).abs().max() <= 2 ** -6 * (x.float().abs() @ w.abs().t()).max()  # bf16's
+            assert not calls
+    assert Linear(w, blocks=blocks).block_rows == blocks.max_rows > MAX_ROWS_BESIDE_BF16  # float32: as before
+
+
+def test_a_refined_head_with_blocks_gives_one_streams_rows_float32s_logits():
+    from cluster.models.linear import RefinedHead
+
+    table = q8_0(1024, 64)  # a tied embedding that was Q8_0
+    head = RefinedHead(table, blocks=pack_exact(table))
+    plain = RefinedHead(table)
+    gen = torch.Generator().manual_seed(3)
+    for rows in (1, MAX_ROWS_BESIDE_BF16, MAX_ROWS_BESIDE_BF16 + 1, 16):
+        x = torch.randn(rows, 64, generator=gen)
+        got = head.float_out(x)
+        if rows <= MAX_ROWS_BESIDE_BF16:  # every logit float32's, not only the leading ones
+            assert torch.equal(got, pack_exact(table).matmul(x))
+            assert (got - x @ table.t()).abs().max() <= 1e-5 * (x.abs() @ table.abs().t()).max()
+        else:  # bf16 and the leading logits refined, as without blocks
+            assert torch.equal(got, plain.float_out(x))
+
+
 def test_a_strided_row_view_reads_the_same_as_its_copy():
     w = q4_1(64, 96)
     blocks = pack_exact(w)
@@ -115,6 +157,12 @@ def test_the_default_model_is_loaded_with_its_gguf_blocks(default_model_path):
     head = model.w.lm_head.blocks
     assert head is not None and head.bits == 8 and head.shape == (arch.vocab_size, arch.hidden_size)
     assert torch.equal(head.dequantize(), model.w.embed)
+    # in bf16 the same blocks beside the bf16 weights, for one stream's decode steps
+    bf16 = load_model(default_model_path, arch, CPU_OPS, torch.float32, torch.device("cpu"), 256, torch.bfloat16)
+    for ours, theirs in zip(bf16.w.layers, layers):
+        for lin, f32 in zip((ours.qkv, ours.o, ours.gate_up, ours.down), (theirs.qkv, theirs.o, theirs.gate_up, theirs.down)):
+            assert lin.dtype == torch.bfloat16 and torch.equal(lin.blocks.qs, f32.blocks.qs)
+    assert torch.equal(bf16.w.lm_head.fast.blocks.dequantize(), model.w.embed)
 
     down = next(t for t in gguf.GGUFReader(gguf_path()).tensors if t.name == "blk.0.ffn_down.weight")
     assert down.tensor_type.name == "Q4_1"
