@@ -120,9 +120,9 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] → [T, out], in x's dtype."""
         if self.blocks is not None and x.shape[0] <= self.block_rows:  # float32 arithmetic, float32 weights
-            y = self.blocks.matmul(x.float())
+            y = self.blocks.matmul(x if x.dtype == torch.float32 else x.float())
             y = y if self.bias is None else y.add_(self.bias)
-            return y.to(x.dtype)
+            return y if x.dtype == torch.float32 else y.to(x.dtype)
         if x.dtype != self.dtype:  # bf16 weights beside float32 activations (a CPU engine's bfloat16)
             return self(x.to(self.dtype)).to(x.dtype)
         if self.packed:
