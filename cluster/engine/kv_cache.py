@@ -82,10 +82,11 @@ def allocate_kv_cache(arch: Architecture, cache: CacheConfig, dtype: torch.dtype
     if device.type == "cpu":
         need, left = n * bytes_per_block(arch, cache.block_size, dtype), available_host_memory()
         if left is not None and need > left:
-            what = f"num_blocks={n}" if cache.num_blocks is not None else f"cpu_kv_cache_bytes={cache.cpu_kv_cache_bytes}"
-            raise ValueError(f"the KV cache ({what}: {need / 2**30:.2f} GiB) does not fit the {left / 2**30:.2f} GiB "
-                             f"of memory left on this node after the model's weights; lower "
-                             f"{what.split('=')[0]}")
+            option, value = (("num_blocks", n) if cache.num_blocks is not None
+                             else ("cpu_kv_cache_bytes", cache.cpu_kv_cache_bytes))
+            raise ValueError(f"the KV cache ({option}={value}: {need / 2**30:.2f} GiB) does not fit the "
+                             f"{left / 2**30:.2f} GiB of memory left on this node after the model's weights; "
+                             f"lower {option}")
     shape = (arch.num_layers, 2, n, cache.block_size, arch.num_kv_heads, arch.head_dim)
     return torch.zeros(shape, dtype=dtype, device=device)
 

@@ -117,9 +117,13 @@ class Linear:
         else:
             self.weight = w.t() if shared else w.t().contiguous()
 
+    def reads_blocks(self, rows: int) -> bool:
+        """Whether a product of `rows` rows goes through the blocks (float32 arithmetic, float32 weights)."""
+        return self.blocks is not None and rows <= self.block_rows
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] → [T, out], in x's dtype."""
-        if self.blocks is not None and x.shape[0] <= self.block_rows:  # float32 arithmetic, float32 weights
+        if self.reads_blocks(x.shape[0]):
             y = self.blocks.matmul(x if x.dtype == torch.float32 else x.float())
             y = y if self.bias is None else y.add_(self.bias)
             return y if x.dtype == torch.float32 else y.to(x.dtype)
@@ -159,7 +163,7 @@ class RefinedHead:
     def float_out(self, x: torch.Tensor) -> torch.Tensor:
         """x float32 [S, H] → float32 logits [S, V]."""
         logits = self.fast(x)
-        if self.fast.blocks is not None and x.shape[0] <= self.fast.block_rows:  # float32's already
+        if self.fast.reads_blocks(x.shape[0]):  # float32's already
             return logits
         top = leading(logits, self.refine)  # [S, k]
         return logits.scatter_(1, top, torch.einsum("sh,skh->sk", x, self.exact[top]))
